@@ -1,0 +1,15 @@
+"""attnzoo: attention mechanisms for long sequences behind one API.
+
+>>> import attnzoo
+>>> "full" in attnzoo.mechanisms()
+True
+"""
+
+# Importing the subpackage registers the built-in mechanisms; it comes first so that the
+# function `mechanisms` below, not the subpackage, is what `attnzoo.mechanisms` names.
+import attnzoo.mechanisms as _builtin  # noqa: F401  isort: skip
+from attnzoo.nn import MultiheadAttention
+from attnzoo.registry import attention, connectivity, get, mechanisms
+
+__all__ = ["MultiheadAttention", "attention", "connectivity", "get", "mechanisms"]
+__version__ = "0.1.0"

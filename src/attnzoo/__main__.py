@@ -1,0 +1,3 @@
+from attnzoo.cli import main
+
+raise SystemExit(main())

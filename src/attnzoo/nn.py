@@ -1,0 +1,126 @@
+"""Layers that own parameters: multi-head attention over any registered mechanism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnzoo.registry import attention, get, make_options
+
+__all__ = ["MultiheadAttention"]
+
+
+class MultiheadAttention(nn.Module):
+    """Multi-head attention whose inner attention is any registered mechanism.
+
+    Batch-first: ``x (B, Lq, d_model)``, optional ``memory (B, Lk, d_model)``
+    for cross-attention, ``key_mask (B, Lk)`` bool (True = real key). Returns
+    ``(B, Lq, d_model)``. Q, K, V and output are linear projections, as in
+    ``torch.nn.MultiheadAttention``; with ``mechanism="full"`` and the same
+    weights the two give the same output.
+
+    Args:
+        d_model: model width; must be divisible by ``n_heads``.
+        n_heads: number of heads; each has ``d_model // n_heads`` features.
+        mechanism: a name from ``attnzoo.mechanisms()``.
+        dropout: dropout on the attention output, before the output
+            projection (not on attention weights, which most mechanisms never
+            form).
+        bias: whether the projections have biases.
+        causal: causal self-attention (see ``attnzoo.attention``).
+        seed: seed of the layer's own generator, used by randomized
+            mechanisms so that a run is reproducible; its state is saved in
+            ``state_dict``.
+        **options: the mechanism's options; unknown names raise ValueError.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        mechanism: str = "full",
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        causal: bool = False,
+        seed: int = 0,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        if d_model <= 0 or n_heads <= 0 or d_model % n_heads:
+            raise ValueError(
+                f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.spec = get(mechanism)
+        make_options(self.spec, options)  # reject unknown or invalid options now, not at forward
+        if causal and not self.spec.capabilities.causal:
+            raise ValueError(f"{mechanism} does not support causal=True")
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        self.mechanism, self.causal, self.options, self.seed = mechanism, causal, options, seed
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self._generator: torch.Generator | None = None
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The layer's seeded generator on ``device`` (None for deterministic mechanisms)."""
+        if not self.spec.randomized:
+            return None
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generator
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        B, L, _ = t.shape
+        return t.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, Dh)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        *,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Self-attention over ``x`` or, with ``memory``, cross-attention to it."""
+        memory = x if memory is None else memory
+        for name, t in (("x", x), ("memory", memory)):
+            if t.dim() != 3 or t.shape[-1] != self.d_model:
+                raise ValueError(
+                    f"{name} must be (B, L, d_model={self.d_model}), got {tuple(t.shape)}"
+                )
+        if memory.shape[0] != x.shape[0]:
+            raise ValueError(f"x and memory batch sizes differ: {x.shape[0]} vs {memory.shape[0]}")
+        q = self._split(self.q_proj(x))  # (B, H, Lq, Dh)
+        k = self._split(self.k_proj(memory))  # (B, H, Lk, Dh)
+        v = self._split(self.v_proj(memory))  # (B, H, Lk, Dh)
+        out = attention(
+            q, k, v,
+            mechanism=self.mechanism,
+            causal=self.causal,
+            key_mask=key_mask,
+            generator=self.generator(x.device),
+            **self.options,
+        )  # (B, H, Lq, Dh)
+        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.d_model)  # (B, Lq, d_model)
+        return self.out_proj(self.dropout(out))
+
+    def get_extra_state(self) -> dict:
+        gen = self._generator
+        return {"generator": None if gen is None else gen.get_state()}
+
+    def set_extra_state(self, state: dict) -> None:
+        if state.get("generator") is not None:
+            self._generator = torch.Generator().manual_seed(self.seed)
+            self._generator.set_state(state["generator"])
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, mechanism={self.mechanism!r}, "
+            f"causal={self.causal}, options={self.options}"
+        )

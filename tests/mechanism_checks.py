@@ -1,0 +1,121 @@
+"""Checks every mechanism shares: fast vs reference, gradcheck, input errors.
+
+Each mechanism's test file calls these with one line per case, e.g.::
+
+    check_against_reference("full", Lq=7, Lk=9, causal=True, masked=True)
+    check_gradcheck("full", causal=True)
+    check_input_errors("full")
+
+Randomized mechanisms get a fresh generator with the same seed for the fast
+call and the reference, so both draw the same samples.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo
+
+
+def random_inputs(B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, *, dtype=torch.float64, seed=0,
+                  masked=False, requires_grad=False, empty_row=True):
+    """Gaussian q, k, v and, if ``masked``, a random key_mask (B, Lk).
+
+    With ``empty_row`` (and B >= 2) the last batch entry's mask keeps only the
+    last key, so under causality most of its queries see nothing.
+    """
+    g = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=dtype)
+    k = torch.randn(B, H, Lk, D, generator=g, dtype=dtype)
+    v = torch.randn(B, H, Lk, Dv, generator=g, dtype=dtype)
+    key_mask = None
+    if masked:
+        key_mask = torch.rand(B, Lk, generator=g) < 0.7
+        key_mask[:, -1] = True
+        if empty_row and B >= 2:
+            key_mask[-1] = False
+            key_mask[-1, -1] = True
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    return q, k, v, key_mask
+
+
+def _call(name, q, k, v, *, reference, causal, key_mask, seed, options):
+    gen = torch.Generator().manual_seed(seed)
+    return attnzoo.attention(q, k, v, mechanism=name, causal=causal, key_mask=key_mask,
+                             generator=gen, reference=reference, **options)
+
+
+def check_against_reference(name, *, B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, causal=False,
+                            masked=False, seed=0, options=None, atol=1e-10, rtol=1e-8,
+                            backward=True):
+    """Fast vs reference in float64: outputs, and grads of q, k, v for one upstream grad."""
+    options = options or {}
+    q, k, v, km = random_inputs(B, H, Lq, Lk, D, Dv, seed=seed, masked=masked,
+                                requires_grad=backward)
+    kw = dict(causal=causal, key_mask=km, seed=seed, options=options)
+    fast = _call(name, q, k, v, reference=False, **kw)
+    ref = _call(name, q, k, v, reference=True, **kw)
+    assert fast.shape == (B, H, Lq, v.shape[-1]), fast.shape
+    assert fast.dtype == q.dtype
+    assert torch.isfinite(fast).all(), f"{name}: non-finite output"
+    torch.testing.assert_close(fast, ref, atol=atol, rtol=rtol, msg=lambda m: f"{name} output: {m}")
+    if not backward:
+        return fast
+    g = torch.randn(fast.shape, generator=torch.Generator().manual_seed(seed + 1),
+                    dtype=fast.dtype)
+    grads_fast = torch.autograd.grad(fast, (q, k, v), g, allow_unused=True)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), g, allow_unused=True)
+    for label, gf, gr in zip("qkv", grads_fast, grads_ref, strict=True):
+        gf = torch.zeros_like(q if label == "q" else k if label == "k" else v) if gf is None else gf
+        gr = torch.zeros_like(gf) if gr is None else gr
+        assert torch.isfinite(gf).all(), f"{name}: non-finite grad of {label}"
+        torch.testing.assert_close(gf, gr, atol=atol * 10, rtol=rtol * 10,
+                                   msg=lambda m, label=label: f"{name} grad {label}: {m}")
+    return fast
+
+
+def check_gradcheck(name, *, B=1, H=2, Lq=5, Lk=6, D=4, causal=False, masked=False, seed=0,
+                    options=None):
+    """torch.autograd.gradcheck of the fast path on small float64 inputs."""
+    options = options or {}
+    q, k, v, km = random_inputs(B, H, Lq, Lk, D, seed=seed, masked=masked, requires_grad=True,
+                                empty_row=False)
+
+    def fn(q, k, v):
+        return _call(name, q, k, v, reference=False, causal=causal, key_mask=km, seed=seed,
+                     options=options)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def check_input_errors(name, **options):
+    """Every malformed input is refused with a ValueError naming the problem."""
+    spec = attnzoo.get(name)
+    q, k, v, _ = random_inputs(B=2, H=2, Lq=8, Lk=8, D=4)
+
+    def raises(match, *args, **kw):
+        kw = {**options, **kw}
+        with pytest.raises(ValueError, match=match):
+            attnzoo.attention(*args, mechanism=name, **kw)
+
+    raises("4 dims", q[0], k, v)
+    raises("share a dtype", q.float(), k, v)
+    raises("batch and heads", q, k[:1], v[:1])
+    raises("head dim", q, k[..., :3], v)
+    raises("same length", q, k, v[:, :, :5])
+    raises("floating-point", q.long(), k, v)
+    raises("key_mask must be a bool", q, k, v, key_mask=torch.ones(2, 8))
+    raises(r"key_mask must have shape", q, k, v, key_mask=torch.ones(2, 7, dtype=torch.bool))
+    raises("unknown option", q, k, v, no_such_option=1)
+    raises("scale must be", q, k, v, scale=-1.0)
+    raises("causal must be a bool", q, k, v, causal="yes")
+    if not spec.capabilities.causal:
+        raises(f"{name} does not support causal", q, k, v, causal=True)
+    if not spec.capabilities.cross:
+        raises(f"{name} supports self-attention only", q, k[:, :, :5], v[:, :, :5])
+    if not spec.capabilities.key_mask:
+        raises(f"{name} does not support key_mask", q, k, v,
+               key_mask=torch.ones(2, 8, dtype=torch.bool))

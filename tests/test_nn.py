@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+import attnzoo
+
+
+def _copy_from_torch(ours: attnzoo.MultiheadAttention, theirs: torch.nn.MultiheadAttention):
+    wq, wk, wv = theirs.in_proj_weight.chunk(3)
+    bq, bk, bv = theirs.in_proj_bias.chunk(3)
+    with torch.no_grad():
+        for lin, w, b in ((ours.q_proj, wq, bq), (ours.k_proj, wk, bk), (ours.v_proj, wv, bv)):
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        ours.out_proj.weight.copy_(theirs.out_proj.weight)
+        ours.out_proj.bias.copy_(theirs.out_proj.bias)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_full_matches_torch_multihead_attention(causal, masked):
+    torch.manual_seed(0)
+    d, h, B, L = 24, 4, 3, 11
+    theirs = torch.nn.MultiheadAttention(d, h, batch_first=True, dtype=torch.float64)
+    ours = attnzoo.MultiheadAttention(d, h, causal=causal).double()
+    _copy_from_torch(ours, theirs)
+    x = torch.randn(B, L, d, dtype=torch.float64)
+    key_mask = torch.rand(B, L) < 0.8 if masked else None
+    if masked:
+        key_mask[:, 0] = True  # torch gives NaN for rows with no key; keep every row seeing one
+    attn_mask = torch.ones(L, L, dtype=torch.bool).triu(1) if causal else None  # torch: True = block
+    expected, _ = theirs(x, x, x, attn_mask=attn_mask,
+                         key_padding_mask=None if key_mask is None else ~key_mask,
+                         need_weights=False)
+    torch.testing.assert_close(ours(x, key_mask=key_mask), expected, atol=1e-12, rtol=1e-10)
+
+
+def test_cross_attention_matches_torch():
+    torch.manual_seed(1)
+    d, h = 16, 2
+    theirs = torch.nn.MultiheadAttention(d, h, batch_first=True, dtype=torch.float64)
+    ours = attnzoo.MultiheadAttention(d, h).double()
+    _copy_from_torch(ours, theirs)
+    x, mem = torch.randn(2, 5, d, dtype=torch.float64), torch.randn(2, 9, d, dtype=torch.float64)
+    expected, _ = theirs(x, mem, mem, need_weights=False)
+    out = ours(x, mem)
+    assert out.shape == (2, 5, d)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)
+
+
+def test_layer_rejects_bad_configuration_and_input():
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        attnzoo.MultiheadAttention(10, 3)
+    with pytest.raises(ValueError, match="unknown option"):
+        attnzoo.MultiheadAttention(8, 2, factr=5)
+    with pytest.raises(ValueError, match="unknown mechanism"):
+        attnzoo.MultiheadAttention(8, 2, mechanism="nope")
+    layer = attnzoo.MultiheadAttention(8, 2)
+    with pytest.raises(ValueError, match="d_model=8"):
+        layer(torch.randn(2, 5, 7))
+    with pytest.raises(ValueError, match="batch sizes"):
+        layer(torch.randn(2, 5, 8), torch.randn(3, 5, 8))
+
+
+def test_gradients_reach_every_parameter():
+    layer = attnzoo.MultiheadAttention(8, 2, causal=True)
+    layer(torch.randn(2, 6, 8)).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
