@@ -1,0 +1,121 @@
+"""Pieces the sparse mechanisms share: partial softmaxes and their merge, blocked windows,
+and the position frame that lets a self-attention pattern take Lq != Lk.
+
+A *partial* is ``(o, lse)``: the softmax-weighted average ``o (B, H, Lq, Dv)`` of
+the values over some set of keys and the log-sum-exp ``lse (B, H, Lq)`` of the
+scores over that set (-inf where the set is empty). Two partials over disjoint
+key sets merge exactly into the softmax over their union; this is how the
+factorized patterns combine their parts and how LSH combines hash rounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def partial_softmax(scores: torch.Tensor, valid: torch.Tensor | None, v: torch.Tensor):
+    """Softmax of ``scores (..., R, n)`` over the ``valid`` keys, applied to ``v (..., n, Dv)``.
+
+    Returns ``(o (..., R, Dv), lse (..., R))``; rows with no valid key give o = 0, lse = -inf.
+    """
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (..., 1)
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weights = torch.exp(scores - safe_lse)  # exp(-inf) = 0 for invalid keys and empty rows
+    o = weights @ v  # (..., R, Dv)
+    return o, lse.squeeze(-1)
+
+
+def merge_partials(parts):
+    """Merge partials over disjoint key sets into the softmax over their union."""
+    lse = parts[0][1]
+    for _, part_lse in parts[1:]:
+        lse = torch.logaddexp(lse, part_lse)
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = 0
+    for o, part_lse in parts:
+        out = out + torch.exp(part_lse - safe_lse).unsqueeze(-1) * o
+    return out, lse
+
+
+def pad_to(t: torch.Tensor, length: int, dim: int = 2, front: int = 0, value=0.0) -> torch.Tensor:
+    """Pad ``t`` along ``dim`` with ``front`` leading entries and trailing ones up to ``length``."""
+    back = length - front - t.shape[dim]
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [front, back]
+    return F.pad(t, pad, value=value)
+
+
+def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
+    """Blocked windowed attention: query block b of ``block`` rows sees keys
+    [b·block − left, (b+1)·block + right), further restricted by ``allowed(i, j)``.
+
+    q (B, H, L, D), k (B, H, L, D), v (B, H, L, Dv), key_valid (B, L) bool or None.
+    ``allowed`` takes broadcastable int tensors of query and key positions and
+    returns a bool tensor. Cost O(L·(block + left + right)·D), no L×L tensor.
+    Returns the partial ``(o (B, H, L, Dv), lse (B, H, L))``.
+    """
+    B, H, L, D = q.shape
+    nb = -(-L // block)
+    Lp, span = nb * block, block + left + right
+    q_blk = pad_to(q, Lp).view(B, H, nb, block, D)  # (B, H, nb, block, D)
+    k_win = pad_to(k, Lp + left + right, front=left).unfold(2, span, block)  # (B, H, nb, D, span)
+    v_win = pad_to(v, Lp + left + right, front=left).unfold(2, span, block)  # (B, H, nb, Dv, span)
+    scores = (q_blk @ k_win) * scale  # (B, H, nb, block, span)
+    i = torch.arange(Lp, device=q.device).view(nb, block, 1)  # query positions
+    j = (torch.arange(nb, device=q.device) * block - left).view(nb, 1, 1) + torch.arange(
+        span, device=q.device
+    )  # (nb, 1, span) key positions
+    valid = allowed(i, j) & (j >= 0) & (j < L)  # (nb, block, span)
+    if key_valid is not None:
+        kv = pad_to(key_valid, Lp + left + right, dim=1, front=left, value=False)
+        valid = valid & kv.unfold(1, span, block)[:, None, :, None, :]  # (B, 1, nb, block, span)
+    o, lse = partial_softmax(scores, valid, v_win.transpose(-1, -2))
+    return o.reshape(B, H, Lp, -1)[:, :, :L], lse.reshape(B, H, Lp)[:, :, :L]
+
+
+def to_frame(q, k, v, key_mask):
+    """Put q and k/v on one frame of N = max(Lq, Lk) positions for self-attention patterns.
+
+    Queries are the last Lq positions and keys the last Lk (the causal
+    alignment of ``attnzoo.masks``); missing keys are padding. Returns
+    ``(q, k, v, key_valid (B, N) or None, Lq)``; slice outputs with ``[:, :, -Lq:]``.
+    """
+    B, Lq, Lk = q.shape[0], q.shape[2], k.shape[2]
+    N = max(Lq, Lk)
+    if Lk < N:
+        key_mask = torch.ones(B, Lk, dtype=torch.bool, device=k.device) if key_mask is None else key_mask
+        key_mask = pad_to(key_mask, N, dim=1, front=N - Lk, value=False)
+        k, v = pad_to(k, N, front=N - Lk), pad_to(v, N, front=N - Lk)
+    if Lq < N:
+        q = pad_to(q, N, front=N - Lq)
+    return q, k, v, key_mask, Lq
+
+
+def pattern_reference(pattern):
+    """The dense reference of a pattern mechanism: masked softmax with its connectivity.
+
+    ``pattern(N, opts, causal)`` gives the (N, N) mask, or (P, N, N) for
+    patterns that differ by head (head h uses pattern h % P).
+    """
+    from attnzoo.mechanisms.full import softmax_reference
+
+    def reference(q, k, v, opts, *, causal=False, key_mask=None, scale=None, generator=None):
+        Lq, Lk, H = q.shape[2], k.shape[2], q.shape[1]
+        N = max(Lq, Lk)
+        mask = pattern(N, opts, causal).to(q.device)[..., N - Lq:, N - Lk:]
+        if mask.dim() == 3:  # per-head patterns
+            mask = mask[torch.arange(H) % mask.shape[0]]  # (H, Lq, Lk)
+        mask = mask.expand(1, H, Lq, Lk)
+        if key_mask is not None:
+            mask = mask & key_mask[:, None, None, :]
+        return softmax_reference(q, k, v, mask, scale)
+
+    return reference

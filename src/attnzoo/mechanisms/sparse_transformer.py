@@ -1,0 +1,256 @@
+"""Sparse Transformer factorized attention (Child et al., 2019): `strided` and `fixed`.
+
+Each pattern is two sets of keys per query i, with stride l:
+
+- strided: A1 = the previous l positions (i - l < j <= i), A2 = {j : (i - j) mod l = 0}.
+- fixed:   A1 = i's own block {j : floor(j/l) = floor(i/l)}, A2 = the last c cells of
+  every block {j : j mod l >= l - c}.
+
+Causal (j <= i) is the paper's setting. Non-causal is our two-sided extension for
+encoders: strided A1 becomes |i - j| < l, fixed A1 the whole own block, and A2
+drops j <= i. The paper's two ways to combine the sets are both offered:
+``heads="union"`` (every head attends to A1 ∪ A2, each key once) and
+``heads="split"`` (even heads attend to A1, odd heads to A2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnzoo.mechanisms._common import (
+    merge_partials,
+    pad_to,
+    partial_softmax,
+    pattern_reference,
+    softmax_scale,
+    to_frame,
+    window_partial,
+)
+from attnzoo.registry import Capabilities, Mechanism, register
+
+
+def _check_common(name: str, stride, heads) -> None:
+    if stride is not None and stride < 1:
+        raise ValueError(f"{name}: stride must be >= 1, got {stride}")
+    if heads not in ("union", "split"):
+        raise ValueError(f"{name}: heads must be 'union' or 'split', got {heads!r}")
+
+
+@dataclass(frozen=True)
+class StridedOptions:
+    stride: int | None = None  # l; None = round(sqrt(L)), the paper's choice
+    heads: str = "union"  # "union": every head A1 ∪ A2; "split": even heads A1, odd heads A2
+
+    def __post_init__(self):
+        _check_common("strided", self.stride, self.heads)
+
+
+@dataclass(frozen=True)
+class FixedOptions:
+    stride: int | None = None  # l, the block length; None = round(sqrt(L))
+    c: int | None = None  # summary cells per block; None = max(1, l // 16) (8 for l = 128)
+    heads: str = "union"  # "union" or "split", as for strided
+
+    def __post_init__(self):
+        _check_common("fixed", self.stride, self.heads)
+        if self.c is not None and self.c < 1:
+            raise ValueError(f"fixed: c must be >= 1, got {self.c}")
+        if self.c is not None and self.stride is not None and self.c > self.stride:
+            raise ValueError(f"fixed: c ({self.c}) cannot exceed the stride ({self.stride})")
+
+
+def _stride(opts, N: int) -> int:
+    return opts.stride or max(1, round(math.sqrt(N)))
+
+
+def _summary_cells(opts: FixedOptions, l: int) -> int:
+    c = opts.c or max(1, l // 16)
+    if c > l:
+        raise ValueError(f"fixed: c ({c}) cannot exceed the stride ({l})")
+    return c
+
+
+def _by_residue(t: torch.Tensor, l: int) -> torch.Tensor:
+    """(B, H, m·l, X) -> (B, H, l, m, X): position a·l + r goes to [r, a]."""
+    B, H, Lp, X = t.shape
+    return t.view(B, H, Lp // l, l, X).transpose(2, 3)
+
+
+def _strided_a2(q, k, v, key_valid, l, causal, include_self, scale):
+    """Partial over {j : (i - j) mod l = 0}: attention within each residue class mod l.
+
+    O(L·L/l·D) time, O(L·L/l) memory. ``include_self=False`` drops j = i (union mode,
+    where A1 has it).
+    """
+    B, H, L, _ = q.shape
+    m = -(-L // l)
+    Lp = m * l
+    qr, kr, vr = (_by_residue(pad_to(t, Lp), l) for t in (q, k, v))  # (B, H, l, m, X)
+    scores = (qr @ kr.transpose(-1, -2)) * scale  # (B, H, l, m, m): rows a_i, columns a_j
+    a = torch.arange(m, device=q.device)
+    a_i, a_j = a[:, None], a[None, :]
+    valid = (a_j <= a_i) if causal else torch.ones(m, m, dtype=torch.bool, device=q.device)
+    if not include_self:
+        valid = valid & (a_j != a_i)
+    pos_j = a_j * l + torch.arange(l, device=q.device).view(l, 1, 1)  # (l, 1, m)
+    valid = valid & (pos_j < L)  # (l, m, m)
+    if key_valid is not None:
+        kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l).transpose(1, 2)  # (B, l, m)
+        valid = valid & kv[:, None, :, None, :]  # (B, 1, l, m, m)
+    o, lse = partial_softmax(scores, valid, vr)  # (B, H, l, m, Dv), (B, H, l, m)
+    o = o.transpose(2, 3).reshape(B, H, Lp, -1)[:, :, :L]
+    lse = lse.transpose(2, 3).reshape(B, H, Lp)[:, :, :L]
+    return o, lse
+
+
+def _strided_a1(q, k, v, key_valid, l, causal, scale):
+    """Partial over the previous l positions (two-sided: |i - j| < l)."""
+    right = 0 if causal else l - 1
+    return window_partial(q, k, v, key_valid, block=min(l, 64), left=l - 1, right=right,
+                          allowed=lambda i, j: (j > i - l) & (j < i + right + 1), scale=scale)
+
+
+def _fixed_a1(q, k, v, key_valid, l, causal, scale):
+    """Partial over i's own block (causal: j <= i within it): one block of l keys per query block."""
+    allowed = (lambda i, j: j <= i) if causal else (lambda i, j: j >= 0)
+    return window_partial(q, k, v, key_valid, block=l, left=0, right=0, allowed=allowed, scale=scale)
+
+
+def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
+    """Partial over the last c cells of every block: O(L·c·L/l·D) time, O(L·c·L/l) memory.
+
+    Union mode excludes i's own block (A1 has it); split mode keeps it.
+    """
+    B, H, L, D = q.shape
+    m = -(-L // l)
+    Lp = m * l
+    k_sum = pad_to(k, Lp).view(B, H, m, l, D)[:, :, :, l - c:].reshape(B, H, m * c, D)
+    v_sum = pad_to(v, Lp).view(B, H, m, l, -1)[:, :, :, l - c:].reshape(B, H, m * c, -1)
+    scores = (q @ k_sum.transpose(-1, -2)) * scale  # (B, H, L, m·c)
+    pos_j = (torch.arange(m, device=q.device)[:, None] * l + l - c
+             + torch.arange(c, device=q.device)).reshape(-1)  # (m·c,)
+    pos_i = torch.arange(L, device=q.device)[:, None]
+    same_block = (pos_j // l) == (pos_i // l)  # (L, m·c)
+    valid = (pos_j < L) & ((pos_j <= pos_i) if causal else True)
+    if not include_own_block:
+        valid = valid & ~same_block
+    if key_valid is not None:
+        kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l)[:, :, l - c:].reshape(B, 1, 1, -1)
+        valid = valid & kv  # (B, 1, L, m·c)
+    return partial_softmax(scores, valid, v_sum)
+
+
+def _combine(q, k, v, opts, part_a1, part_a2):
+    """Union: merge A1 and A2 minus A1 on every head. Split: A1 on even heads, A2 on odd ones.
+
+    ``part_a1(q, k, v)`` and ``part_a2(q, k, v, include_a1_overlap)`` return partials.
+    """
+    if opts.heads == "union":
+        return merge_partials([part_a1(q, k, v), part_a2(q, k, v, False)])[0]
+    if q.shape[1] < 2:
+        raise ValueError("heads='split' needs at least 2 heads (even heads A1, odd heads A2)")
+    even, odd = slice(0, None, 2), slice(1, None, 2)
+    out_a1 = part_a1(q[:, even], k[:, even], v[:, even])[0]  # (B, ceil(H/2), L, Dv)
+    out_a2 = part_a2(q[:, odd], k[:, odd], v[:, odd], True)[0]  # (B, floor(H/2), L, Dv)
+    out = out_a1.new_empty(*q.shape[:3], v.shape[-1])
+    out[:, even], out[:, odd] = out_a1, out_a2
+    return out
+
+
+def strided_attention(q, k, v, opts=StridedOptions(), *, causal=False, key_mask=None, scale=None,
+                      generator=None):
+    """Softmax over A1 ∪ A2 (union) or A1 / A2 by head (split), A1 = i-l < j <= i, A2 = l | i-j.
+
+    Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv); with
+    Lq != Lk the queries are the last Lq positions. Cost O(L·(l + L/l)·D) time,
+    O(L·(l + L/l)) memory: A1 by banded query blocks, A2 as attention within each
+    residue class mod l; the two merge by their log-sum-exp. Child et al., 2019.
+    """
+    q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
+    l, s = _stride(opts, q.shape[2]), softmax_scale(q, scale)
+    out = _combine(
+        q, k, v, opts,
+        lambda q, k, v: _strided_a1(q, k, v, key_valid, l, causal, s),
+        lambda q, k, v, own: _strided_a2(q, k, v, key_valid, l, causal, own, s),
+    )
+    return out[:, :, -Lq:]
+
+
+def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None, scale=None,
+                    generator=None):
+    """Softmax over A1 ∪ A2 (union) or A1 / A2 by head (split), A1 = own block of l,
+    A2 = the last c cells of every block.
+
+    Shapes as :func:`strided_attention`. Cost O(L·(l + c·L/l)·D) time and
+    O(L·(l + c·L/l)) memory: A1 as attention within each block, A2 as attention to
+    the c·L/l summary cells. Child et al., 2019.
+    """
+    q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
+    l, s = _stride(opts, q.shape[2]), softmax_scale(q, scale)
+    c = _summary_cells(opts, l)
+    out = _combine(
+        q, k, v, opts,
+        lambda q, k, v: _fixed_a1(q, k, v, key_valid, l, causal, s),
+        lambda q, k, v, own: _fixed_a2(q, k, v, key_valid, l, c, causal, own, s),
+    )
+    return out[:, :, -Lq:]
+
+
+def strided_pattern(length: int, opts: StridedOptions, causal: bool) -> torch.Tensor:
+    """(L, L) bool for union, (2, L, L) [A1, A2] for split."""
+    l = _stride(opts, length)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    a1 = (i - j).abs() < l
+    a2 = (i - j) % l == 0
+    return _assemble(a1, a2, i, j, opts, causal)
+
+
+def fixed_pattern(length: int, opts: FixedOptions, causal: bool) -> torch.Tensor:
+    """(L, L) bool for union, (2, L, L) [A1, A2] for split."""
+    l = _stride(opts, length)
+    c = _summary_cells(opts, l)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    a1 = (j // l) == (i // l)
+    a2 = (j % l >= l - c).expand(length, length)
+    return _assemble(a1, a2, i, j, opts, causal)
+
+
+def _assemble(a1, a2, i, j, opts, causal):
+    if causal:
+        a1, a2 = a1 & (j <= i), a2 & (j <= i)
+    return a1 | a2 if opts.heads == "union" else torch.stack([a1, a2])
+
+
+_COMMON = dict(capabilities=Capabilities(causal=True, cross=True, key_mask=True),
+               citation="Child et al., Generating Long Sequences with Sparse Transformers, 2019")
+
+register(
+    Mechanism(
+        name="strided",
+        summary="factorized: the previous l positions and every l-th position (l ≈ √L)",
+        options=StridedOptions,
+        fn=strided_attention,
+        reference=pattern_reference(strided_pattern),
+        time="O(L (l + L/l) d) = O(L√L d)",
+        memory="O(L√L)",
+        pattern=strided_pattern,
+        **_COMMON,
+    )
+)
+
+register(
+    Mechanism(
+        name="fixed",
+        summary="factorized: own block of l, and the last c 'summary' cells of every block",
+        options=FixedOptions,
+        fn=fixed_attention,
+        reference=pattern_reference(fixed_pattern),
+        time="O(L (l + c L/l) d)",
+        memory="O(L (l + c L/l))",
+        pattern=fixed_pattern,
+        **_COMMON,
+    )
+)

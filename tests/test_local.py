@@ -1,0 +1,49 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+
+from mechanism_checks import check_against_reference, check_gradcheck
+
+cases = st.fixed_dictionaries({
+    "B": st.integers(1, 2), "H": st.integers(1, 3), "Lq": st.integers(1, 40),
+    "Lk": st.integers(1, 40), "D": st.integers(1, 6), "causal": st.booleans(),
+    "masked": st.booleans(), "seed": st.integers(0, 999),
+    "options": st.fixed_dictionaries({"window": st.integers(1, 12),
+                                      "block": st.none() | st.integers(1, 9)}),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases)
+def test_local_matches_reference(case):
+    check_against_reference("local", **case)
+
+
+def test_local_window_covering_everything_equals_full():
+    for causal in (False, True):
+        a = check_against_reference("local", Lq=13, Lk=13, causal=causal, masked=True,
+                                    options={"window": 40}, backward=False)
+        b = check_against_reference("full", Lq=13, Lk=13, causal=causal, masked=True, backward=False)
+        torch.testing.assert_close(a, b)
+
+
+def test_local_connectivity_by_hand():
+    m = attnzoo.connectivity("local", length=5, causal=True, window=2)
+    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0],
+                             [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(m, expected)
+    assert attnzoo.connectivity("local", length=5, causal=False, window=2)[2].tolist() == [
+        False, True, True, True, False]
+
+
+def test_local_gradcheck():
+    check_gradcheck("local", causal=True, masked=True, options={"window": 3, "block": 2})
+    check_gradcheck("local", Lq=4, Lk=6, options={"window": 4})
+
+
+def test_local_bad_options():
+    with pytest.raises(ValueError, match="window"):
+        attnzoo.get("local").options(window=0)

@@ -1,0 +1,79 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+
+from mechanism_checks import check_against_reference, check_gradcheck
+
+
+def cases(extra):
+    return st.fixed_dictionaries({
+        "B": st.integers(1, 2), "H": st.integers(2, 4), "Lq": st.integers(1, 40),
+        "Lk": st.integers(1, 40), "D": st.integers(1, 6), "causal": st.booleans(),
+        "masked": st.booleans(), "seed": st.integers(0, 999),
+        "options": st.fixed_dictionaries({"stride": st.none() | st.integers(1, 9),
+                                          "heads": st.sampled_from(["union", "split"]), **extra}),
+    })
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases({}))
+def test_strided_matches_reference(case):
+    check_against_reference("strided", **case)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases({"c": st.just(None) | st.integers(1, 1)}))
+def test_fixed_matches_reference(case):
+    check_against_reference("fixed", **case)
+
+
+def test_fixed_with_larger_c():
+    for causal in (False, True):
+        check_against_reference("fixed", Lq=23, Lk=23, causal=causal, masked=True,
+                                options={"stride": 6, "c": 3})
+
+
+def test_strided_connectivity_matches_the_paper_by_hand():
+    m = attnzoo.connectivity("strided", length=7, causal=True, stride=3).int()
+    # row 6: A1 = {4, 5, 6}, A2 = {0, 3, 6}
+    assert m[6].tolist() == [1, 0, 0, 1, 1, 1, 1]
+    assert m[2].tolist() == [1, 1, 1, 0, 0, 0, 0]
+    split = attnzoo.connectivity("strided", length=7, causal=True, stride=3, heads="split").int()
+    assert split.shape == (2, 7, 7)
+    assert split[1, 6].tolist() == [1, 0, 0, 1, 0, 0, 1]
+
+
+def test_fixed_connectivity_matches_the_paper_by_hand():
+    m = attnzoo.connectivity("fixed", length=8, causal=True, stride=4, c=1).int()
+    # row 6 (block 1): own block up to itself {4, 5, 6}, summary cell of block 0 = {3}
+    assert m[6].tolist() == [0, 0, 0, 1, 1, 1, 1, 0]
+    two_sided = attnzoo.connectivity("fixed", length=8, causal=False, stride=4, c=1).int()
+    assert two_sided[1].tolist() == [1, 1, 1, 1, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("name", ["strided", "fixed"])
+def test_stride_covering_the_sequence_equals_full(name):
+    for causal in (False, True):
+        a = check_against_reference(name, Lq=9, Lk=9, causal=causal, masked=True,
+                                    options={"stride": 9}, backward=False)
+        b = check_against_reference("full", Lq=9, Lk=9, causal=causal, masked=True, backward=False)
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["strided", "fixed"])
+def test_gradcheck(name):
+    check_gradcheck(name, causal=True, masked=True, Lq=7, Lk=7, options={"stride": 3})
+    check_gradcheck(name, Lq=5, Lk=7, options={"stride": 2, "heads": "split"})
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="heads"):
+        attnzoo.get("strided").options(heads="both")
+    with pytest.raises(ValueError, match="exceed"):
+        attnzoo.get("fixed").options(stride=4, c=5)
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="at least 2 heads"):
+        attnzoo.attention(q, q, q, mechanism="strided", heads="split")
