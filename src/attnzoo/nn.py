@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -9,7 +10,34 @@ from torch import nn
 
 from attnzoo.registry import attention, get, make_options
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["CausalConv1d", "MultiheadAttention"]
+
+
+def _field_names(options_type) -> list[str]:
+    return [] if options_type is None else [f.name for f in dataclasses.fields(options_type)]
+
+
+class CausalConv1d(nn.Module):
+    """Conv1d over the sequence that sees only the current and the kernel_size-1 previous steps.
+
+    ``(B, L, C_in) -> (B, L, C_out)``: left padding of kernel_size - 1, so output t
+    depends on inputs t-kernel_size+1..t only (LogSparse's convolutional self-attention).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, bias: bool = True):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))  # (B, C_in, L + k - 1)
+        return self.conv(x).transpose(1, 2)  # (B, L, C_out)
+
+
+def _projection(d_model: int, kernel_size: int, bias: bool) -> nn.Module:
+    if kernel_size == 1:
+        return nn.Linear(d_model, d_model, bias=bias)
+    return CausalConv1d(d_model, d_model, kernel_size, bias=bias)
 
 
 class MultiheadAttention(nn.Module):
@@ -34,6 +62,10 @@ class MultiheadAttention(nn.Module):
             mechanisms so that a run is reproducible; its state is saved in
             ``state_dict``.
         **options: the mechanism's options; unknown names raise ValueError.
+            Options of the layer itself (``attnzoo.get(name).layer_options``) are
+            taken here: log_sparse's ``kernel_size`` makes the query and key
+            projections a causal Conv1d of that kernel (the paper's
+            convolutional self-attention; values keep the linear projection).
     """
 
     def __init__(
@@ -56,13 +88,17 @@ class MultiheadAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.spec = get(mechanism)
+        layer_names = set(_field_names(self.spec.layer_options))
+        layer_opts = {n: options.pop(n) for n in list(options) if n in layer_names}
         make_options(self.spec, options)  # reject unknown or invalid options now, not at forward
+        self.layer_options = self.spec.layer_options(**layer_opts) if self.spec.layer_options else None
         if causal and not self.spec.capabilities.causal:
             raise ValueError(f"{mechanism} does not support causal=True")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.mechanism, self.causal, self.options, self.seed = mechanism, causal, options, seed
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        kernel_size = getattr(self.layer_options, "kernel_size", 1)
+        self.q_proj = _projection(d_model, kernel_size, bias)
+        self.k_proj = _projection(d_model, kernel_size, bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)

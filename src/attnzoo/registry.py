@@ -65,6 +65,9 @@ class Mechanism:
     # (q, k, opts, causal, key_mask, scale, generator) -> (B, H, Lq, Lk) bool; data-dependent ones
     data_pattern: Callable[..., torch.Tensor] | None = None
     reason_not_causal: str = ""  # shown when causal=True is refused
+    # options that belong to MultiheadAttention's projections, not to the functional call
+    # (log_sparse's convolution kernel_size, linformer's max_len); a dataclass or None
+    layer_options: type | None = None
 
     def option_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.options)]

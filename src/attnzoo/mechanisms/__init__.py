@@ -1,3 +1,9 @@
-"""Built-in mechanisms: one module each; importing a module registers it."""
+"""Built-in mechanisms: one module each; importing a module registers it.
 
-from attnzoo.mechanisms import full, local, sparse_transformer  # noqa: F401
+The import order is the order of ``attnzoo.mechanisms()``.
+"""
+
+from attnzoo.mechanisms import full  # noqa: F401  isort: skip
+from attnzoo.mechanisms import log_sparse  # noqa: F401  isort: skip
+from attnzoo.mechanisms import sparse_transformer  # noqa: F401  isort: skip
+from attnzoo.mechanisms import local  # noqa: F401  isort: skip

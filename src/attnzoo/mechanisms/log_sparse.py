@@ -1,0 +1,111 @@
+"""LogSparse attention (Li et al., NeurIPS 2019): exponentially growing steps back in time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnzoo.mechanisms._common import pad_to, pattern_reference, softmax_scale, to_frame
+from attnzoo.registry import Capabilities, Mechanism, register
+
+
+@dataclass(frozen=True)
+class LogSparseOptions:
+    local: int = 1  # dense window: offsets 0..local-1, then local-1 + 2^m (1 = the plain pattern)
+    restart: int | None = None  # restart the pattern every `restart` positions (subsequences)
+
+    def __post_init__(self):
+        if self.local < 1:
+            raise ValueError(f"log_sparse: local must be >= 1, got {self.local}")
+        if self.restart is not None and self.restart < 1:
+            raise ValueError(f"log_sparse: restart must be >= 1, got {self.restart}")
+
+
+@dataclass(frozen=True)
+class LogSparseLayerOptions:
+    kernel_size: int = 1  # causal Conv1d for queries and keys in MultiheadAttention (1 = linear)
+
+    def __post_init__(self):
+        if self.kernel_size < 1:
+            raise ValueError(f"log_sparse: kernel_size must be >= 1, got {self.kernel_size}")
+
+
+def _offsets(opts: LogSparseOptions, N: int) -> list[int]:
+    """Backward distances a query attends to: 0..local-1, then local-1 + 1, 2, 4, ... below N."""
+    dense = list(range(min(opts.local, N)))
+    steps, m = [], 1
+    while opts.local - 1 + m < N:
+        steps.append(opts.local - 1 + m)
+        m *= 2
+    return dense + steps
+
+
+def _signed_offsets(opts: LogSparseOptions, N: int, causal: bool) -> list[int]:
+    back = _offsets(opts, N)
+    return back if causal else back + [-d for d in back if d > 0]
+
+
+def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_mask=None,
+                         scale=None, generator=None):
+    """Softmax over the keys j = i - d, d in {0, .., local-1} ∪ {local-1 + 2^m}.
+
+    Plain pattern (local=1): i, i-1, i-2, i-4, ..., i-2^floor(log2 i). With ``restart``
+    = R, i and j must lie in the same subsequence of R positions. Causal is the
+    paper's setting; non-causal (two-sided: also j = i + d) is our extension for
+    encoders. Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) ->
+    (B, H, Lq, Dv); with Lq != Lk the queries are the last Lq positions.
+    Cost O(L·(local + log L)·D) time and O(L·(local + log L)) memory: one score per
+    offset from shifted views of K and V, never an L×L mask.
+    """
+    q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
+    B, H, N, _ = q.shape
+    offsets = _signed_offsets(opts, N, causal)
+    reach = max(abs(d) for d in offsets)
+    k_pad, v_pad = pad_to(k, N + 2 * reach, front=reach), pad_to(v, N + 2 * reach, front=reach)
+    s = softmax_scale(q, scale)
+    scores = torch.stack(
+        [(q * k_pad[:, :, reach - d: reach - d + N]).sum(-1) for d in offsets], -1
+    ) * s  # (B, H, N, n_offsets)
+    i = torch.arange(N, device=q.device)[:, None]
+    j = i - torch.tensor(offsets, device=q.device)  # (N, n_offsets) key positions
+    valid = (j >= 0) & (j < N)
+    if opts.restart is not None:
+        valid = valid & (j // opts.restart == i // opts.restart)
+    if key_valid is not None:
+        valid = valid & key_valid[:, j.clamp(0, N - 1)][:, None]  # (B, 1, N, n_offsets)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)  # rows with no key: all -inf -> 0
+    weights = weights.masked_fill(~valid, 0.0)
+    out = 0
+    for n, d in enumerate(offsets):
+        out = out + weights[..., n, None] * v_pad[:, :, reach - d: reach - d + N]  # (B, H, N, Dv)
+    return out[:, :, -Lq:]
+
+
+def log_sparse_pattern(length: int, opts: LogSparseOptions, causal: bool) -> torch.Tensor:
+    """(L, L) bool: query i attends key j iff i - j is one of the offsets (same subsequence)."""
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    allowed = torch.tensor(_signed_offsets(opts, length, causal))
+    mask = torch.isin(i - j, allowed)
+    if opts.restart is not None:
+        mask = mask & (j // opts.restart == i // opts.restart)
+    return mask
+
+
+register(
+    Mechanism(
+        name="log_sparse",
+        summary="itself and positions at exponentially growing distances (i-1, i-2, i-4, …)",
+        options=LogSparseOptions,
+        fn=log_sparse_attention,
+        reference=pattern_reference(log_sparse_pattern),
+        capabilities=Capabilities(causal=True, cross=True, key_mask=True),
+        time="O(L log L d)",
+        memory="O(L log L)",
+        citation="Li et al., Enhancing the Locality and Breaking the Memory Bottleneck of "
+        "Transformer on Time Series Forecasting, NeurIPS 2019",
+        pattern=log_sparse_pattern,
+        layer_options=LogSparseLayerOptions,
+    )
+)
