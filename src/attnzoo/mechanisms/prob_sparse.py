@@ -1,0 +1,213 @@
+"""ProbSparse self-attention (Informer, Zhou et al., AAAI 2021).
+
+Only the u "active" queries with the largest sparsity measure
+M(q_i) = max_j s_ij - mean_j s_ij (on U_part sampled keys) get full attention;
+the "lazy" rest get the mean of the values (causal: the mean of the values
+they may see), which is what a near-uniform attention row would give.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnzoo.masks import causal_offset, dense_mask, visible_key_count
+from attnzoo.mechanisms._common import partial_softmax, softmax_scale
+from attnzoo.registry import Capabilities, Mechanism, register
+
+
+@dataclass(frozen=True)
+class ProbSparseOptions:
+    factor: int = 5  # c: U_part = c·ceil(ln Lk) sampled keys per query, u = c·ceil(ln Lq) active queries
+    variant: str = "paper"  # "paper" or "official" (the Informer repository's arithmetic; see below)
+    chunk: int = 512  # queries per chunk when scoring the samples (cache blocking, not results)
+
+    def __post_init__(self):
+        if self.factor < 1:
+            raise ValueError(f"prob_sparse: factor must be >= 1, got {self.factor}")
+        if self.variant not in ("paper", "official"):
+            raise ValueError(f"prob_sparse: variant must be 'paper' or 'official', got {self.variant!r}")
+        if self.chunk < 1:
+            raise ValueError(f"prob_sparse: chunk must be >= 1, got {self.chunk}")
+
+
+def sizes(Lq: int, Lk: int, factor: int) -> tuple[int, int]:
+    """(u, U_part) = (min(c·ceil(ln Lq), Lq), min(c·ceil(ln Lk), Lk)), each at least 1."""
+    u = min(max(1, factor * math.ceil(math.log(Lq))), Lq)
+    U_part = min(max(1, factor * math.ceil(math.log(Lk))), Lk)
+    return u, U_part
+
+
+def sample_keys(Lq, Lk, U_part, *, causal, key_mask, generator, device):
+    """Draw U_part key indices per query, uniformly with replacement among the keys it may see.
+
+    Returns ``(index (B or 1, Lq, U_part) int64, seen (B or 1, Lq) int64)``, shared across
+    heads as in the official code. Sampling among visible keys keeps a query's M free
+    of keys it may not attend to (the official code samples every key, future and
+    padding included). Rows that see no key get index 0 (unused).
+    """
+    seen = visible_key_count(Lq, Lk, causal=causal, key_mask=key_mask, device=device)[:, 0]  # (B|1, Lq)
+    draws = torch.rand(seen.shape[0], Lq, U_part, generator=generator, device=device)
+    rank = (draws * seen[..., None]).long().clamp(max=Lk - 1)  # r-th visible real key
+    if key_mask is None:
+        return rank, seen  # visible keys are 0..seen-1 in order
+    real_first = torch.argsort((~key_mask).to(torch.uint8), dim=-1, stable=True)  # (B, Lk)
+    return torch.gather(real_first, 1, rank.flatten(1)).view_as(rank), seen
+
+
+def sparsity_measure(sampled_scores: torch.Tensor, Lk: int, variant: str) -> torch.Tensor:
+    """M = max - mean over the U_part sampled scores (official: max - sum / Lk)."""
+    divisor = Lk if variant == "official" else sampled_scores.shape[-1]
+    return sampled_scores.amax(-1) - sampled_scores.sum(-1) / divisor
+
+
+def lazy_values(v, *, causal, key_mask, Lq, variant):
+    """What lazy queries get: (B, H, Lq, Dv) mean of the visible real values.
+
+    Official variant, causal: the cumulative *sum* of the values (the repository's
+    ``V.cumsum``), which grows with i; non-causal it is the mean, as here.
+    """
+    B, H, Lk, Dv = v.shape
+    if key_mask is not None:
+        v = v * key_mask[:, None, :, None].to(v.dtype)
+    if not causal:
+        count = visible_key_count(1, Lk, causal=False, key_mask=key_mask, device=v.device)  # (B|1,1,1)
+        return (v.sum(2, keepdim=True) / count[..., None].clamp(min=1)).expand(B, H, Lq, Dv)
+    prefix = v.cumsum(2)  # (B, H, Lk, Dv)
+    last = torch.arange(Lq, device=v.device) + causal_offset(Lq, Lk)  # last visible key of each query
+    out = prefix[:, :, last.clamp(0, Lk - 1)] * (last >= 0)[:, None].to(v.dtype)  # (B, H, Lq, Dv)
+    if variant == "official":
+        return out
+    count = visible_key_count(Lq, Lk, causal=True, key_mask=key_mask, device=v.device)  # (B|1, 1, Lq)
+    return out / count[..., None].clamp(min=1)
+
+
+def _sampled_measure(q, k, index, Lk, opts):
+    """M (B, H, Lq) from the sampled scores, without an (Lq, U_part, D) copy of K.
+
+    Queries go in chunks of ``opts.chunk``; for each sample u the chunk gathers one
+    key row per query (all heads at once, from a (B·Lk, H·D) layout) and keeps a
+    running max and sum, so the working set stays in cache: O(chunk·H·D) memory.
+    """
+    B, H, Lq, D = q.shape
+    U_part = index.shape[-1]
+    k_rows = k.transpose(1, 2).reshape(B * Lk, H, D)  # (B·Lk, H, D): one row = a key, every head
+    q_rows = q.transpose(1, 2).contiguous()  # (B, Lq, H, D)
+    index = index.expand(B, -1, -1) + (torch.arange(B, device=q.device) * Lk)[:, None, None]
+    top = torch.full((B, Lq, H), float("-inf"), dtype=q.dtype, device=q.device)
+    total = torch.zeros(B, Lq, H, dtype=q.dtype, device=q.device)
+    for start in range(0, Lq, opts.chunk):
+        rows = slice(start, start + opts.chunk)
+        q_chunk = q_rows[:, rows]  # (B, C, H, D)
+        for u in range(U_part):
+            k_sample = k_rows.index_select(0, index[:, rows, u].flatten()).view(q_chunk.shape)
+            score = (q_chunk * k_sample).sum(-1)  # (B, C, H)
+            torch.maximum(top[:, rows], score, out=top[:, rows])
+            total[:, rows] += score
+    divisor = Lk if opts.variant == "official" else U_part
+    return (top - total / divisor).transpose(1, 2)  # (B, H, Lq)
+
+
+def _active_queries(q, k, opts, *, causal, key_mask, generator):
+    """Indices (B, H, u) of the u queries with the largest M, under no_grad (selection only)."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    u, U_part = sizes(Lq, Lk, opts.factor)
+    index, seen = sample_keys(Lq, Lk, U_part, causal=causal, key_mask=key_mask, generator=generator,
+                              device=q.device)
+    with torch.no_grad():
+        M = _sampled_measure(q.detach(), k.detach(), index, Lk, opts)
+        M = M.masked_fill((seen == 0)[:, None], float("-inf"))
+    return M.topk(u, dim=-1, sorted=False).indices  # (B, H, u)
+
+
+def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, key_mask=None,
+                          scale=None, generator=None):
+    """Full attention for the u queries of largest M = max - mean of sampled scores; mean(V) else.
+
+    Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
+    Cost: O(Lq·U_part·D + u·Lk·D) time, O(Lq + u·Lk + Lk·Dv) memory per head: the
+    sampled scores are reduced to M on the fly, chunk by chunk, never as the
+    seed's (Lq, U_part, D) copy of K. Zhou et al., AAAI 2021.
+
+    Departures and choices, all deliberate:
+    - ``variant="paper"`` (default): M uses the mean of the U_part sampled scores,
+      and causal lazy queries get the mean of the values they may see.
+      ``variant="official"``: the Informer repository divides the sampled sum by Lk
+      (under-weighting the mean term) and gives causal lazy queries cumsum(V), a sum.
+    - Samples are drawn among the keys each query may see (real keys, j <= i when
+      causal); the official code samples every key, which makes causal selection
+      depend on the future.
+    - u and U_part are at least 1 (the formula gives 0 at length 1).
+    - Samples are shared across heads (as officially), one draw per batch entry.
+    - Causal masks what each query attends to (active: j <= i; lazy: the prefix
+      mean), but *which* queries are active is the top-u over the whole sequence,
+      as in the paper: a later query can displace an earlier one. Use it where the
+      whole (decoder) input is known at once, as Informer does; not for
+      token-by-token decoding.
+    """
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    top = _active_queries(q, k, opts, causal=causal, key_mask=key_mask, generator=generator)
+    q_top = torch.gather(q, 2, top[..., None].expand(-1, -1, -1, q.shape[-1]))  # (B, H, u, D)
+    scores = (q_top @ k.transpose(-1, -2)) * softmax_scale(q, scale)  # (B, H, u, Lk)
+    valid = None
+    if causal or key_mask is not None:
+        last = top + causal_offset(Lq, Lk) if causal else torch.full_like(top, Lk - 1)
+        valid = torch.arange(Lk, device=q.device) <= last[..., None]  # (B, H, u, Lk)
+        if key_mask is not None:
+            valid = valid & key_mask[:, None, None, :]
+    active_out, _ = partial_softmax(scores, valid, v)  # (B, H, u, Dv)
+    out = lazy_values(v, causal=causal, key_mask=key_mask, Lq=Lq, variant=opts.variant)
+    return out.scatter(2, top[..., None].expand(-1, -1, -1, v.shape[-1]), active_out)
+
+
+def prob_sparse_reference(q, k, v, opts=ProbSparseOptions(), *, causal=False, key_mask=None,
+                          scale=None, generator=None):
+    """The same selection recomputed densely from the full (Lq, Lk) score matrix."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    u, U_part = sizes(Lq, Lk, opts.factor)
+    index, _ = sample_keys(Lq, Lk, U_part, causal=causal, key_mask=key_mask, generator=generator,
+                           device=q.device)
+    mask = dense_mask(Lq, Lk, causal=causal, key_mask=key_mask, device=q.device).expand(B, H, Lq, Lk)
+    s = softmax_scale(q, scale)
+    scores = (q @ k.transpose(-1, -2)) * s  # (B, H, Lq, Lk)
+    sampled = torch.gather(scores.detach() / s, 3, index[:, None].expand(B, H, Lq, U_part))
+    M = sparsity_measure(sampled, Lk, opts.variant)
+    M = M.masked_fill(~mask.any(-1), float("-inf"))
+    active = torch.zeros(B, H, Lq, dtype=torch.bool)
+    active.scatter_(2, M.topk(u, dim=-1).indices, True)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    uniform = mask.to(q.dtype)
+    if not (opts.variant == "official" and causal):
+        uniform = uniform / uniform.sum(-1, keepdim=True).clamp(min=1)
+    weights = torch.where(active[..., None], weights, uniform)
+    return weights @ v
+
+
+def prob_sparse_connectivity(q, k, opts, causal, key_mask, scale, generator):
+    """(B, H, Lq, Lk) bool: the keys of the active queries' rows; lazy rows are all False."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    top = _active_queries(q, k, opts, causal=causal, key_mask=key_mask, generator=generator)
+    active = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device).scatter(2, top, True)
+    return active[..., None] & dense_mask(Lq, Lk, causal=causal, key_mask=key_mask, device=q.device)
+
+
+register(
+    Mechanism(
+        name="prob_sparse",
+        summary="top-u 'active' queries by max-minus-mean of sampled scores; lazy ones get mean(V)",
+        options=ProbSparseOptions,
+        fn=prob_sparse_attention,
+        reference=prob_sparse_reference,
+        capabilities=Capabilities(causal=True, cross=True, key_mask=True),
+        time="O(L log L d)",
+        memory="O(L log L)",
+        citation="Zhou et al., Informer: Beyond Efficient Transformer for Long Sequence "
+        "Time-Series Forecasting, AAAI 2021",
+        randomized=True,
+        data_pattern=prob_sparse_connectivity,
+    )
+)
