@@ -66,6 +66,8 @@ class MultiheadAttention(nn.Module):
             taken here: log_sparse's ``kernel_size`` makes the query and key
             projections a causal Conv1d of that kernel (the paper's
             convolutional self-attention; values keep the linear projection).
+            lsh's ``shared_qk`` (default True, the paper's setting) uses the
+            query projection for the keys too (there is then no ``k_proj``).
     """
 
     def __init__(
@@ -90,15 +92,18 @@ class MultiheadAttention(nn.Module):
         self.spec = get(mechanism)
         layer_names = set(_field_names(self.spec.layer_options))
         layer_opts = {n: options.pop(n) for n in list(options) if n in layer_names}
-        make_options(self.spec, options)  # reject unknown or invalid options now, not at forward
         self.layer_options = self.spec.layer_options(**layer_opts) if self.spec.layer_options else None
+        self.shared_qk = getattr(self.layer_options, "shared_qk", False)
+        if self.shared_qk:  # one projection for queries and keys (lsh); the mechanism normalises keys
+            options["shared_qk"] = True
+        make_options(self.spec, options)  # reject unknown or invalid options now, not at forward
         if causal and not self.spec.capabilities.causal:
             raise ValueError(f"{mechanism} does not support causal=True")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.mechanism, self.causal, self.options, self.seed = mechanism, causal, options, seed
         kernel_size = getattr(self.layer_options, "kernel_size", 1)
         self.q_proj = _projection(d_model, kernel_size, bias)
-        self.k_proj = _projection(d_model, kernel_size, bias)
+        self.k_proj = None if self.shared_qk else _projection(d_model, kernel_size, bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
@@ -132,8 +137,10 @@ class MultiheadAttention(nn.Module):
                 )
         if memory.shape[0] != x.shape[0]:
             raise ValueError(f"x and memory batch sizes differ: {x.shape[0]} vs {memory.shape[0]}")
+        if self.shared_qk and memory is not x:
+            raise ValueError(f"{self.mechanism} with shared_qk=True is self-attention only")
         q = self._split(self.q_proj(x))  # (B, H, Lq, Dh)
-        k = self._split(self.k_proj(memory))  # (B, H, Lk, Dh)
+        k = q if self.shared_qk else self._split(self.k_proj(memory))  # (B, H, Lk, Dh)
         v = self._split(self.v_proj(memory))  # (B, H, Lk, Dh)
         out = attention(
             q, k, v,

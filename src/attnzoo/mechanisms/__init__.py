@@ -6,5 +6,6 @@ The import order is the order of ``attnzoo.mechanisms()``.
 from attnzoo.mechanisms import full  # noqa: F401  isort: skip
 from attnzoo.mechanisms import prob_sparse  # noqa: F401  isort: skip
 from attnzoo.mechanisms import log_sparse  # noqa: F401  isort: skip
+from attnzoo.mechanisms import lsh  # noqa: F401  isort: skip
 from attnzoo.mechanisms import sparse_transformer  # noqa: F401  isort: skip
 from attnzoo.mechanisms import local  # noqa: F401  isort: skip

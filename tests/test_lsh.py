@@ -1,0 +1,96 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+
+from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
+
+cases = st.fixed_dictionaries({
+    "B": st.integers(1, 2), "H": st.integers(1, 3), "Lq": st.integers(1, 40),
+    "D": st.integers(2, 6), "causal": st.booleans(), "masked": st.booleans(),
+    "seed": st.integers(0, 999),
+    "options": st.fixed_dictionaries({
+        "bucket_size": st.integers(1, 9), "n_hashes": st.integers(1, 4),
+        "n_buckets": st.none() | st.sampled_from([1, 2, 4, 6]),
+        "attend_across_buckets": st.booleans(),
+    }),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases)
+def test_lsh_matches_reference(case):
+    check_against_reference("lsh", Lk=case["Lq"], **case)
+
+
+def _shared(case_seed, causal, masked, **options):
+    q, _, v, km = random_inputs(B=2, H=2, Lq=23, Lk=23, D=5, seed=case_seed, masked=masked)
+    run = lambda ref: attnzoo.attention(q, q, v, mechanism="lsh", causal=causal, key_mask=km,  # noqa: E731
+                                        shared_qk=True, reference=ref,
+                                        generator=torch.Generator().manual_seed(case_seed), **options)
+    return run(False), run(True), q, v, km
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_shared_qk_matches_reference(causal, masked):
+    fast, ref, *_ = _shared(3, causal, masked, bucket_size=4, n_hashes=3)
+    torch.testing.assert_close(fast, ref, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_bucket_one_chunk_equals_full(causal):
+    a = check_against_reference("lsh", Lq=13, Lk=13, causal=causal, masked=True, backward=False,
+                                options={"n_buckets": 1, "bucket_size": 13, "n_hashes": 2})
+    b = check_against_reference("full", Lq=13, Lk=13, causal=causal, masked=True, backward=False)
+    torch.testing.assert_close(a, b)
+
+
+def test_shared_qk_one_chunk_is_full_attention_without_self():
+    fast, _, q, v, _ = _shared(0, True, False, n_buckets=1, bucket_size=23, n_hashes=1)
+    k = torch.nn.functional.normalize(q, dim=-1)
+    L = q.shape[2]
+    mask = torch.ones(L, L, dtype=torch.bool).tril(-1)
+    mask[0, 0] = True  # position 0 has no other key, so it attends to itself
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(fast, expected, atol=1e-10, rtol=1e-8)
+
+
+def test_more_rounds_meet_more_keys():
+    q, k, _, _ = random_inputs(B=1, H=1, Lq=256, Lk=256, D=16)
+    seen = [attnzoo.connectivity("lsh", q=q, k=k, causal=False, n_hashes=n, bucket_size=16,
+                                 generator=torch.Generator().manual_seed(0)).sum().item()
+            for n in (1, 2, 4)]
+    assert seen[0] < seen[1] < seen[2] < 256 * 256 / 2
+
+
+def test_lsh_gradcheck():
+    check_gradcheck("lsh", Lq=9, Lk=9, causal=True, masked=True,
+                    options={"bucket_size": 3, "n_hashes": 2, "n_buckets": 2})
+
+
+def test_lsh_refuses_what_it_cannot_do():
+    q, k, v, _ = random_inputs(Lq=8, Lk=8)
+    with pytest.raises(ValueError, match="pass k=q"):
+        attnzoo.attention(q, k, v, mechanism="lsh", shared_qk=True)
+    with pytest.raises(ValueError, match="even"):
+        attnzoo.attention(q, k, v, mechanism="lsh", n_buckets=3)
+    with pytest.raises(ValueError, match="self-attention only"):
+        attnzoo.attention(q, k[:, :, :5], v[:, :, :5], mechanism="lsh")
+
+
+def test_module_shares_qk_by_default_and_is_reproducible():
+    layer = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", bucket_size=4, seed=1)
+    assert layer.k_proj is None
+    x = torch.randn(2, 20, 16)
+    y1 = layer(x)
+    state = layer.state_dict()
+    y2 = layer(x)  # the generator moved on: new rotations
+    assert not torch.allclose(y1, y2)
+    other = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", bucket_size=4, seed=1)
+    other.load_state_dict(state)
+    torch.testing.assert_close(other(x), y2)
+    separate = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", shared_qk=False)
+    assert separate.k_proj is not None and separate(x).shape == x.shape
