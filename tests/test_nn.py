@@ -65,3 +65,30 @@ def test_gradients_reach_every_parameter():
     layer = attnzoo.MultiheadAttention(8, 2, causal=True)
     layer(torch.randn(2, 6, 8)).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_recurrent_step_equals_causal_forward():
+    torch.manual_seed(0)
+    layer = attnzoo.MultiheadAttention(12, 3, mechanism="linear", causal=True).double()
+    x = torch.randn(2, 9, 12, dtype=torch.float64)
+    full = layer(x)
+    state, outs = None, []
+    for t in range(9):
+        y, state = layer.step(x[:, t:t + 1], state)
+        outs.append(y)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match="no recurrent step"):
+        attnzoo.MultiheadAttention(12, 3, causal=True).step(x)
+
+
+@pytest.mark.parametrize("name", attnzoo.mechanisms())
+def test_every_mechanism_runs_in_the_layer(name):
+    spec = attnzoo.get(name)
+    extra = {"max_len": 64} if name == "linformer" else {}
+    layer = attnzoo.MultiheadAttention(16, 2, mechanism=name, causal=spec.capabilities.causal, **extra)
+    x = torch.randn(2, 21, 16)
+    key_mask = torch.ones(2, 21, dtype=torch.bool)
+    key_mask[1, 15:] = False
+    y = layer(x, key_mask=key_mask)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    y.sum().backward()

@@ -1,4 +1,11 @@
-"""Layers that own parameters: multi-head attention over any registered mechanism."""
+"""Layers that own parameters: multi-head attention over any registered mechanism.
+
+A mechanism whose layer needs more than the four linear projections declares a
+``layer_options`` dataclass in its spec (log_sparse's convolution, lsh's shared
+query-key projection, linformer's E/F, performer's random features). Its
+``build(layer, options)`` adds or replaces modules once, and
+``forward_options(layer, device)`` gives the extra functional options of a call.
+"""
 
 from __future__ import annotations
 
@@ -34,12 +41,6 @@ class CausalConv1d(nn.Module):
         return self.conv(x).transpose(1, 2)  # (B, L, C_out)
 
 
-def _projection(d_model: int, kernel_size: int, bias: bool) -> nn.Module:
-    if kernel_size == 1:
-        return nn.Linear(d_model, d_model, bias=bias)
-    return CausalConv1d(d_model, d_model, kernel_size, bias=bias)
-
-
 class MultiheadAttention(nn.Module):
     """Multi-head attention whose inner attention is any registered mechanism.
 
@@ -62,12 +63,17 @@ class MultiheadAttention(nn.Module):
             mechanisms so that a run is reproducible; its state is saved in
             ``state_dict``.
         **options: the mechanism's options; unknown names raise ValueError.
-            Options of the layer itself (``attnzoo.get(name).layer_options``) are
-            taken here: log_sparse's ``kernel_size`` makes the query and key
-            projections a causal Conv1d of that kernel (the paper's
-            convolutional self-attention; values keep the linear projection).
-            lsh's ``shared_qk`` (default True, the paper's setting) uses the
-            query projection for the keys too (there is then no ``k_proj``).
+            Options of the layer itself (``attnzoo.get(name).layer_options``)
+            are taken here:
+
+            - log_sparse ``kernel_size``: queries and keys from a causal Conv1d
+              of that kernel (the paper's convolutional self-attention).
+            - lsh ``shared_qk`` (default True, the paper's setting): the query
+              projection serves the keys too (``k_proj`` is None).
+            - linformer ``max_len``: E and F are parameters of (proj_len, max_len);
+              shorter inputs use their first columns.
+            - performer: the random features are a buffer, drawn at
+              construction; ``layer.redraw()`` draws new ones.
     """
 
     def __init__(
@@ -84,42 +90,70 @@ class MultiheadAttention(nn.Module):
     ) -> None:
         super().__init__()
         if d_model <= 0 or n_heads <= 0 or d_model % n_heads:
-            raise ValueError(
-                f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})"
-            )
+            raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.spec = get(mechanism)
         layer_names = set(_field_names(self.spec.layer_options))
         layer_opts = {n: options.pop(n) for n in list(options) if n in layer_names}
-        self.layer_options = self.spec.layer_options(**layer_opts) if self.spec.layer_options else None
-        self.shared_qk = getattr(self.layer_options, "shared_qk", False)
-        if self.shared_qk:  # one projection for queries and keys (lsh); the mechanism normalises keys
-            options["shared_qk"] = True
         make_options(self.spec, options)  # reject unknown or invalid options now, not at forward
         if causal and not self.spec.capabilities.causal:
             raise ValueError(f"{mechanism} does not support causal=True")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.mechanism, self.causal, self.options, self.seed = mechanism, causal, options, seed
-        kernel_size = getattr(self.layer_options, "kernel_size", 1)
-        self.q_proj = _projection(d_model, kernel_size, bias)
-        self.k_proj = None if self.shared_qk else _projection(d_model, kernel_size, bias)
+        self.bias = bias
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj: nn.Module | None = nn.Linear(d_model, d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
         self._generator: torch.Generator | None = None
+        self.extra = self.spec.layer_options(**layer_opts) if self.spec.layer_options else None
+        if self.extra is not None:
+            self.extra.build(self)
+            make_options(self.spec, self.options)  # what build() added must be valid too
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The layer's seeded generator on ``device`` (None for deterministic mechanisms)."""
         if not self.spec.randomized:
             return None
-        if self._generator is None or self._generator.device != device:
+        device = torch.device(device)
+        if self._generator is None or self._generator.device.type != device.type:
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
+
+    def redraw(self) -> None:
+        """Draw new random parameters where the mechanism keeps some (performer's features)."""
+        if self.extra is not None and hasattr(self.extra, "redraw"):
+            self.extra.redraw(self)
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         B, L, _ = t.shape
         return t.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, Dh)
+
+    def _check(self, x: torch.Tensor, memory: torch.Tensor) -> None:
+        for name, t in (("x", x), ("memory", memory)):
+            if t.dim() != 3 or t.shape[-1] != self.d_model:
+                raise ValueError(f"{name} must be (B, L, d_model={self.d_model}), got {tuple(t.shape)}")
+        if memory.shape[0] != x.shape[0]:
+            raise ValueError(f"x and memory batch sizes differ: {x.shape[0]} vs {memory.shape[0]}")
+        if self.k_proj is None and memory is not x:
+            raise ValueError(f"{self.mechanism} with shared_qk=True is self-attention only")
+
+    def _qkv(self, x: torch.Tensor, memory: torch.Tensor):
+        q = self._split(self.q_proj(x))  # (B, H, Lq, Dh)
+        k = q if self.k_proj is None else self._split(self.k_proj(memory))  # (B, H, Lk, Dh)
+        v = self._split(self.v_proj(memory))  # (B, H, Lk, Dh)
+        return q, k, v
+
+    def _merge(self, out: torch.Tensor) -> torch.Tensor:
+        B, _, L, _ = out.shape
+        out = out.transpose(1, 2).reshape(B, L, self.d_model)  # (B, L, d_model)
+        return self.out_proj(self.dropout(out))
+
+    def _call_options(self, device) -> dict:
+        extra = {} if self.extra is None else self.extra.forward_options(self, device)
+        return {**self.options, **extra}
 
     def forward(
         self,
@@ -130,28 +164,27 @@ class MultiheadAttention(nn.Module):
     ) -> torch.Tensor:
         """Self-attention over ``x`` or, with ``memory``, cross-attention to it."""
         memory = x if memory is None else memory
-        for name, t in (("x", x), ("memory", memory)):
-            if t.dim() != 3 or t.shape[-1] != self.d_model:
-                raise ValueError(
-                    f"{name} must be (B, L, d_model={self.d_model}), got {tuple(t.shape)}"
-                )
-        if memory.shape[0] != x.shape[0]:
-            raise ValueError(f"x and memory batch sizes differ: {x.shape[0]} vs {memory.shape[0]}")
-        if self.shared_qk and memory is not x:
-            raise ValueError(f"{self.mechanism} with shared_qk=True is self-attention only")
-        q = self._split(self.q_proj(x))  # (B, H, Lq, Dh)
-        k = q if self.shared_qk else self._split(self.k_proj(memory))  # (B, H, Lk, Dh)
-        v = self._split(self.v_proj(memory))  # (B, H, Lk, Dh)
-        out = attention(
-            q, k, v,
-            mechanism=self.mechanism,
-            causal=self.causal,
-            key_mask=key_mask,
-            generator=self.generator(x.device),
-            **self.options,
-        )  # (B, H, Lq, Dh)
-        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.d_model)  # (B, Lq, d_model)
-        return self.out_proj(self.dropout(out))
+        self._check(x, memory)
+        q, k, v = self._qkv(x, memory)
+        out = attention(q, k, v, mechanism=self.mechanism, causal=self.causal, key_mask=key_mask,
+                        generator=self.generator(x.device), **self._call_options(x.device))
+        return self._merge(out)  # (B, Lq, d_model)
+
+    def step(self, x: torch.Tensor, state=None):
+        """Incremental causal decoding for recurrent mechanisms (``capabilities.recurrent``).
+
+        ``x (B, T, d_model)``: the next T positions (usually 1). Returns
+        ``(y (B, T, d_model), state)``; pass the state back with the next
+        positions. Step by step, the outputs equal a causal ``forward`` over the
+        whole sequence.
+        """
+        if not self.spec.capabilities.recurrent:
+            raise ValueError(f"{self.mechanism} has no recurrent step; recurrent mechanisms: "
+                             f"{[n for n in _recurrent_names()]}")
+        self._check(x, x)
+        q, k, v = self._qkv(x, x)
+        out, state = self.spec.step(q, k, v, state, make_options(self.spec, self._call_options(x.device)))
+        return self._merge(out), state
 
     def get_extra_state(self) -> dict:
         gen = self._generator
@@ -163,7 +196,18 @@ class MultiheadAttention(nn.Module):
             self._generator.set_state(state["generator"])
 
     def extra_repr(self) -> str:
-        return (
-            f"d_model={self.d_model}, n_heads={self.n_heads}, mechanism={self.mechanism!r}, "
-            f"causal={self.causal}, options={self.options}"
-        )
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, mechanism={self.mechanism!r}, "
+                f"causal={self.causal}, options={self.options}, layer={self.extra}")
+
+
+def _recurrent_names() -> list[str]:
+    from attnzoo.registry import mechanisms
+
+    return [n for n in mechanisms() if get(n).capabilities.recurrent]
+
+
+def causal_conv_projection(layer: MultiheadAttention, kernel_size: int) -> None:
+    """Make the layer's query and key projections causal Conv1d of ``kernel_size`` (1 = linear)."""
+    if kernel_size > 1:
+        layer.q_proj = CausalConv1d(layer.d_model, layer.d_model, kernel_size, bias=layer.bias)
+        layer.k_proj = CausalConv1d(layer.d_model, layer.d_model, kernel_size, bias=layer.bias)

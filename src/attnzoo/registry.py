@@ -68,6 +68,8 @@ class Mechanism:
     # options that belong to MultiheadAttention's projections, not to the functional call
     # (log_sparse's convolution kernel_size, linformer's max_len); a dataclass or None
     layer_options: type | None = None
+    # recurrent mechanisms: (q, k, v, state | None, opts) -> (out, state), causal decoding
+    step: Callable[..., Any] | None = None
 
     def option_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.options)]

@@ -30,6 +30,14 @@ class LogSparseLayerOptions:
         if self.kernel_size < 1:
             raise ValueError(f"log_sparse: kernel_size must be >= 1, got {self.kernel_size}")
 
+    def build(self, layer) -> None:
+        from attnzoo.nn import causal_conv_projection
+
+        causal_conv_projection(layer, self.kernel_size)
+
+    def forward_options(self, layer, device) -> dict:
+        return {}
+
 
 def _offsets(opts: LogSparseOptions, N: int) -> list[int]:
     """Backward distances a query attends to: 0..local-1, then local-1 + 1, 2, 4, ... below N."""

@@ -44,6 +44,14 @@ class LSHOptions:
 class LSHLayerOptions:
     shared_qk: bool = True  # the module's default: one projection for queries and keys, as the paper
 
+    def build(self, layer) -> None:
+        if self.shared_qk:
+            layer.k_proj = None  # keys come from the query projection, normalised by the mechanism
+            layer.options = {**layer.options, "shared_qk": True}
+
+    def forward_options(self, layer, device) -> dict:
+        return {}
+
 
 def n_buckets_for(L: int, opts: LSHOptions) -> int:
     """b: given, or the even number nearest L / bucket_size (at least 2)."""

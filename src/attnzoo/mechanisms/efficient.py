@@ -1,0 +1,71 @@
+"""Efficient attention (Shen et al., WACV 2021; arXiv 2018)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnzoo.mechanisms.linear import _no_scale
+from attnzoo.registry import Capabilities, Mechanism, register
+
+
+@dataclass(frozen=True)
+class EfficientOptions:
+    """Efficient attention has no options."""
+
+
+def _column_softmax(k: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """σ_col(K): softmax over the (real) positions, per feature; all-padding batches give 0."""
+    if key_mask is None:
+        return torch.softmax(k, dim=2)
+    valid = key_mask[:, None, :, None]  # (B, 1, Lk, 1)
+    logits = k.masked_fill(~valid, float("-inf"))
+    empty = ~key_mask.any(-1)[:, None, None, None]  # (B, 1, 1, 1): no real key at all
+    return torch.softmax(logits.masked_fill(empty, 0.0), dim=2).masked_fill(~valid, 0.0)
+
+
+def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,
+                        scale=None, generator=None):
+    """σ_row(Q) (σ_col(K)ᵀ V): softmax of each query over its features, of each key feature
+    over the positions.
+
+    Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
+    Cost O(L·D·Dv) time, O(D·Dv) extra memory. Padded keys take no part in the
+    column softmax; a batch entry with no real key gives zeros. Non-causal only:
+    the column softmax normalises over every position, future included, and the
+    paper gives no causal form. Shen et al., Efficient Attention: Attention with
+    Linear Complexities, WACV 2021.
+    """
+    _no_scale("efficient", scale)
+    context = _column_softmax(k, key_mask).transpose(-1, -2) @ v  # (B, H, D, Dv)
+    return torch.softmax(q, dim=-1) @ context
+
+
+def efficient_reference(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,
+                        scale=None, generator=None):
+    """Dense: the (Lq, Lk) matrix σ_row(Q) σ_col(K)ᵀ applied to V."""
+    _no_scale("efficient", scale)
+    sk = torch.exp(k - k.amax(2, keepdim=True))
+    if key_mask is not None:
+        sk = sk * key_mask[:, None, :, None].to(sk.dtype)
+    sk = sk / sk.sum(2, keepdim=True).clamp(min=torch.finfo(sk.dtype).tiny)
+    weights = torch.softmax(q, dim=-1) @ sk.transpose(-1, -2)  # (B, H, Lq, Lk)
+    return weights @ v
+
+
+register(
+    Mechanism(
+        name="efficient",
+        summary="softmax over Q's features, over K's positions: σ(Q)(σ(K)ᵀV)",
+        options=EfficientOptions,
+        fn=efficient_attention,
+        reference=efficient_reference,
+        capabilities=Capabilities(causal=False, cross=True, key_mask=True),
+        time="O(L d²)",
+        memory="O(L d + d²)",
+        citation="Shen et al., Efficient Attention: Attention with Linear Complexities, WACV 2021",
+        reason_not_causal="its column softmax normalises every key over all positions, future "
+        "included, and the paper defines no causal form",
+    )
+)

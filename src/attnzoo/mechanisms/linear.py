@@ -1,0 +1,175 @@
+"""Linear (kernel) attention (Katharopoulos et al., ICML 2020), and the causal prefix-sum
+engine that taylor and performer share.
+
+out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps), over the keys query i may see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attnzoo.masks import causal_offset, dense_mask
+from attnzoo.registry import Capabilities, Mechanism, register
+
+
+def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """φ(x) = elu(x) + 1, the paper's positive feature map."""
+    return F.elu(x) + 1
+
+
+@dataclass(frozen=True)
+class LinearOptions:
+    feature_map: Callable[[torch.Tensor], torch.Tensor] | str = "elu"  # "elu" or a callable φ
+    eps: float = 1e-6  # added to the normaliser
+    chunk: int = 64  # causal: queries per chunk of the prefix-sum engine (speed, not results)
+
+    def __post_init__(self):
+        if not (callable(self.feature_map) or self.feature_map == "elu"):
+            raise ValueError(f"linear: feature_map must be 'elu' or a callable, got {self.feature_map!r}")
+        if self.eps < 0:
+            raise ValueError(f"linear: eps must be >= 0, got {self.eps}")
+        if self.chunk < 1:
+            raise ValueError(f"linear: chunk must be >= 1, got {self.chunk}")
+
+
+@dataclass
+class LinearState:
+    """Recurrent state after a prefix of keys: S = Σ φ(k_j) v_jᵀ and z = Σ φ(k_j).
+
+    ``kv`` is (B, H, F, Dv+1): S with z as its last column.
+    """
+
+    kv: torch.Tensor
+
+
+def _with_ones(v: torch.Tensor) -> torch.Tensor:
+    """Append a ones column so one matmul gives numerator and normaliser: (..., Dv+1)."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], -1)
+
+
+def _finish(num_den: torch.Tensor, eps: float) -> torch.Tensor:
+    return num_den[..., :-1] / (num_den[..., -1:] + eps)
+
+
+def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
+    """Causal Σ_{j<=i} (φq_i·φk_j) v1_j for aligned queries and keys, plus the state after them.
+
+    phi_q, phi_k (B, H, L, F), v1 (B, H, L, X), kv0 (B, H, F, X) the state before.
+    Chunked: within a chunk a masked (chunk × chunk) product; across chunks an
+    exclusive cumulative sum of per-chunk states, (B, H, L/chunk, F, X). Memory
+    O(L·chunk + (L/chunk)·F·X), time O(L·(chunk + F)·X) — no (L, F, X) tensor.
+    """
+    B, H, L, Fdim = phi_q.shape
+    X = v1.shape[-1]
+    nc = -(-L // chunk)
+    pad = nc * chunk - L
+    pq, pk, pv = (F.pad(t, (0, 0, 0, pad)).view(B, H, nc, chunk, -1) for t in (phi_q, phi_k, v1))
+    scores = (pq @ pk.transpose(-1, -2)).tril()  # (B, H, nc, chunk, chunk), j <= i within the chunk
+    intra = scores @ pv  # (B, H, nc, chunk, X)
+    chunk_kv = pk.transpose(-1, -2) @ pv  # (B, H, nc, F, X): each chunk's Σ φ(k) v1ᵀ
+    before = torch.cumsum(F.pad(chunk_kv[:, :, :-1], (0, 0, 0, 0, 1, 0)), 2) + kv0[:, :, None]
+    inter = pq @ before  # (B, H, nc, chunk, X); before = the state ahead of each chunk
+    out = (intra + inter).view(B, H, nc * chunk, X)[:, :, :L]
+    return out, kv0 + chunk_kv.sum(2)
+
+
+def kernel_attention(phi_q, phi_k, v, *, causal, key_mask, eps, chunk, kv0=None):
+    """The shared engine: normalised kernel attention from features φ(q), φ(k).
+
+    phi_q (B, H, Lq, F), phi_k (B, H, Lk, F), v (B, H, Lk, Dv) -> ((B, H, Lq, Dv), state).
+    Padded keys (key_mask False) contribute nothing; a query that sees no key gets 0.
+    Causal with Lq != Lk: query i sees keys j <= i + Lk - Lq (the keys before the
+    first aligned one form the starting state). ``kv0`` continues from a state.
+    """
+    B, H, Lk, Fdim = phi_k.shape
+    Lq = phi_q.shape[2]
+    if key_mask is not None:
+        phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
+    v1 = _with_ones(v)  # (B, H, Lk, Dv+1)
+    if kv0 is None:
+        kv0 = phi_k.new_zeros(B, H, Fdim, v1.shape[-1])
+    if not causal:
+        kv = kv0 + phi_k.transpose(-1, -2) @ v1  # (B, H, F, Dv+1)
+        return _finish(phi_q @ kv, eps), LinearState(kv)
+    off = causal_offset(Lq, Lk)
+    if off > 0:  # keys before the first query's own position: everyone sees them
+        kv0 = kv0 + phi_k[:, :, :off].transpose(-1, -2) @ v1[:, :, :off]
+        phi_k, v1 = phi_k[:, :, off:], v1[:, :, off:]
+    blind = max(0, -off)  # queries before the first key see nothing
+    out, kv = _causal_prefix(phi_q[:, :, blind:], phi_k, v1, kv0, chunk)
+    out = F.pad(out, (0, 0, blind, 0))  # (B, H, Lq, Dv+1)
+    return _finish(out, eps), LinearState(kv)
+
+
+def _feature_map(opts: LinearOptions):
+    return elu_feature_map if opts.feature_map == "elu" else opts.feature_map
+
+
+def _no_scale(name: str, scale) -> None:
+    if scale is not None:
+        raise ValueError(f"{name} has no score scale (its paper uses none); leave scale=None")
+
+
+def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=None, scale=None,
+                     generator=None):
+    """φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps) over the visible keys, φ = elu + 1.
+
+    Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
+    Cost O(L·D·Dv) time and O(D·Dv) state non-causal; causal O(L·(chunk + D)·Dv)
+    time and O(L·chunk + (L/chunk)·D·Dv) memory by chunked prefix sums. Exact
+    autograd. Katharopoulos et al., ICML 2020. The seed notebook's cell computes
+    φ(Q)(φ(K)ᵀV) without the normaliser φ(Q)(φ(K)ᵀ1); we implement the paper's.
+    """
+    _no_scale("linear", scale)
+    phi = _feature_map(opts)
+    out, _ = kernel_attention(phi(q), phi(k), v, causal=causal, key_mask=key_mask, eps=opts.eps,
+                              chunk=opts.chunk)
+    return out
+
+
+def linear_step(q, k, v, state: LinearState | None = None, opts=LinearOptions()):
+    """Recurrent decoding: attend T new positions causally, continuing from ``state``.
+
+    q, k (B, H, T, D), v (B, H, T, Dv) -> (out (B, H, T, Dv), new state). Feeding a
+    sequence one token at a time gives exactly the causal ``linear_attention``.
+    """
+    phi = _feature_map(opts)
+    return kernel_attention(phi(q), phi(k), v, causal=True, key_mask=None, eps=opts.eps,
+                            chunk=opts.chunk, kv0=None if state is None else state.kv)
+
+
+def kernel_reference(phi_q, phi_k, v, *, causal, key_mask, eps):
+    """Dense: A = φq φkᵀ masked to the visible keys (an (Lq, Lk) matrix), out = A v / (A 1 + eps)."""
+    A = phi_q @ phi_k.transpose(-1, -2)  # (B, H, Lq, Lk)
+    mask = dense_mask(phi_q.shape[2], phi_k.shape[2], causal=causal, key_mask=key_mask,
+                      device=phi_q.device)
+    A = A * mask.to(A.dtype)
+    return (A @ v) / (A.sum(-1, keepdim=True) + eps)
+
+
+def linear_reference(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=None, scale=None,
+                     generator=None):
+    _no_scale("linear", scale)
+    phi = _feature_map(opts)
+    return kernel_reference(phi(q), phi(k), v, causal=causal, key_mask=key_mask, eps=opts.eps)
+
+
+register(
+    Mechanism(
+        name="linear",
+        summary="φ(Q)(φ(K)ᵀV) normalised, φ = elu+1; causal by chunked prefix sums; recurrent step",
+        options=LinearOptions,
+        fn=linear_attention,
+        reference=linear_reference,
+        capabilities=Capabilities(causal=True, cross=True, key_mask=True, recurrent=True),
+        time="O(L d²)",
+        memory="O(L d + d²)",
+        citation="Katharopoulos et al., Transformers are RNNs: Fast Autoregressive Transformers "
+        "with Linear Attention, ICML 2020",
+        step=linear_step,
+    )
+)

@@ -1,0 +1,118 @@
+"""Linformer (Wang et al., 2020): keys and values projected along the sequence to proj_len rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnzoo.mechanisms.full import softmax_reference
+from attnzoo.registry import Capabilities, Mechanism, register
+
+
+@dataclass(frozen=True)
+class LinformerOptions:
+    proj_len: int = 256  # the paper's k: rows of E and F (used when they are drawn here)
+    share_kv: bool = False  # F = E
+    proj_k: torch.Tensor | None = None  # E (proj_len, >= Lk); None = drawn N(0, 1/proj_len)
+    proj_v: torch.Tensor | None = None  # F (proj_len, >= Lk); None = drawn, or E when share_kv
+
+    def __post_init__(self):
+        if self.proj_len < 1:
+            raise ValueError(f"linformer: proj_len must be >= 1, got {self.proj_len}")
+        if self.share_kv and self.proj_v is not None:
+            raise ValueError("linformer: share_kv=True uses proj_k for the values; do not pass proj_v")
+        for name in ("proj_k", "proj_v"):
+            t = getattr(self, name)
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 2):
+                raise ValueError(f"linformer: {name} must be a (proj_len, Lk) tensor")
+
+
+def projections(opts: LinformerOptions, k: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """E, F of shape (proj_len, Lk): given (first Lk columns, as the paper's code slices) or drawn."""
+    Lk = k.shape[2]
+
+    def take(name, t):
+        if t.shape[1] < Lk:
+            raise ValueError(f"linformer: {name} has {t.shape[1]} columns but Lk = {Lk}; it needs "
+                             f">= Lk (in MultiheadAttention: max_len >= the sequence length)")
+        return t[:, :Lk].to(k.dtype)
+
+    def draw():
+        E = torch.randn(opts.proj_len, Lk, generator=generator, device=k.device)
+        return (E / opts.proj_len**0.5).to(k.dtype)
+
+    E = take("proj_k", opts.proj_k) if opts.proj_k is not None else draw()
+    if opts.share_kv:
+        return E, E
+    return E, take("proj_v", opts.proj_v) if opts.proj_v is not None else draw()
+
+
+def _project(E, F_, k, v, key_mask):
+    if key_mask is not None:  # padded keys and values are zeroed before projecting
+        keep = key_mask[:, None, :, None].to(k.dtype)
+        k, v = k * keep, v * keep
+    return E @ k, F_ @ v  # (B, H, proj_len, D), (B, H, proj_len, Dv)
+
+
+def linformer_attention(q, k, v, opts=LinformerOptions(), *, causal=False, key_mask=None,
+                        scale=None, generator=None):
+    """softmax(Q (E K)ᵀ · scale) (F V), E, F ∈ R^{proj_len × Lk}.
+
+    Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
+    Cost O(Lk·proj_len·D + Lq·proj_len·D) time, O(L·proj_len) memory at most (the
+    projected attention runs in SDPA's fused kernel). Padded keys and values are
+    zeroed before projecting. Non-causal only: every projected row mixes all
+    positions. Wang et al., Linformer: Self-Attention with Linear Complexity, 2020.
+    """
+    E, F_ = projections(opts, k, generator)
+    EK, FV = _project(E, F_, k, v, key_mask)
+    return F.scaled_dot_product_attention(q, EK, FV, scale=scale)
+
+
+def linformer_reference(q, k, v, opts=LinformerOptions(), *, causal=False, key_mask=None,
+                        scale=None, generator=None):
+    """The formula written out: softmax(Q (E K)ᵀ scale) (F V)."""
+    E, F_ = projections(opts, k, generator)
+    EK, FV = _project(E, F_, k, v, key_mask)
+    return softmax_reference(q, EK, FV, None, scale)
+
+
+@dataclass(frozen=True)
+class LinformerLayerOptions:
+    max_len: int | None = None  # longest sequence: E and F are (proj_len, max_len) parameters
+
+    def build(self, layer) -> None:
+        if self.max_len is None or self.max_len < 1:
+            raise ValueError("linformer in MultiheadAttention needs max_len (the longest sequence), "
+                             "e.g. MultiheadAttention(..., mechanism='linformer', max_len=1024)")
+        opts = LinformerOptions(**layer.options)
+        if opts.proj_k is not None or opts.proj_v is not None:
+            raise ValueError("linformer: the layer owns E and F; do not pass proj_k / proj_v")
+        std = opts.proj_len**-0.5
+        layer.proj_k = nn.Parameter(torch.randn(opts.proj_len, self.max_len) * std)
+        layer.proj_v = None if opts.share_kv else nn.Parameter(
+            torch.randn(opts.proj_len, self.max_len) * std)
+
+    def forward_options(self, layer, device) -> dict:
+        return {"proj_k": layer.proj_k, "proj_v": layer.proj_v}
+
+
+register(
+    Mechanism(
+        name="linformer",
+        summary="project K and V along the sequence to proj_len rows: softmax(Q(EK)ᵀ/√d)(FV)",
+        options=LinformerOptions,
+        fn=linformer_attention,
+        reference=linformer_reference,
+        capabilities=Capabilities(causal=False, cross=True, key_mask=True),
+        time="O(L k d)",
+        memory="O(L k)",
+        citation="Wang et al., Linformer: Self-Attention with Linear Complexity, 2020",
+        randomized=True,
+        reason_not_causal="each projected key mixes every position, future included",
+        layer_options=LinformerLayerOptions,
+    )
+)

@@ -1,0 +1,114 @@
+"""Nyströmformer (Xiong et al., AAAI 2021): softmax attention through landmark queries and keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attnzoo.mechanisms._common import softmax_scale
+from attnzoo.mechanisms.full import softmax_reference
+from attnzoo.registry import Capabilities, Mechanism, register
+
+
+@dataclass(frozen=True)
+class NystromOptions:
+    num_landmarks: int = 64  # m: segment means of Q and K
+    pinv_iterations: int = 6  # iterations of the Moore-Penrose pseudo-inverse (the paper's 6)
+
+    def __post_init__(self):
+        if self.num_landmarks < 1 or self.pinv_iterations < 1:
+            raise ValueError("nystrom: need num_landmarks >= 1 and pinv_iterations >= 1")
+
+
+def segment_means(x: torch.Tensor, m: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, m', D), m' = min(m, L): the means of m' contiguous segments of
+    near-equal length (lengths differ by at most one when m' does not divide L). With a
+    key_mask, only real rows count; a segment with none gives 0."""
+    L = x.shape[2]
+    m = min(m, L)
+    segment = torch.arange(L, device=x.device) * m // L  # segment of each position, 0..m-1
+    onehot = F.one_hot(segment, m).to(x.dtype).T  # (m, L)
+    weights = onehot if key_mask is None else onehot * key_mask[:, None, None, :].to(x.dtype)
+    return (weights @ x) / weights.sum(-1, keepdim=True).clamp(min=1)
+
+
+def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
+    """Moore-Penrose pseudo-inverse of a (..., m, m) by the paper's iteration:
+    Z ← ¼ Z (13I − AZ (15I − AZ (7I − AZ))), Z₀ = Aᵀ / (‖A‖₁ ‖A‖_∞).
+
+    Departure: the norms are per matrix; the official code takes one maximum over
+    the whole batch, which lets one sequence change another's result.
+    """
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    abs_a = a.abs()
+    norm = abs_a.sum(-1).amax(-1) * abs_a.sum(-2).amax(-1)  # (...,)
+    z = a.transpose(-1, -2) / norm[..., None, None]
+    for _ in range(iterations):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return z
+
+
+def _landmarks(q, k, opts, key_mask):
+    """m' = min(m, Lq, Lk) landmark queries and keys (the same number, so Q̃K̃ᵀ is square)."""
+    m = min(opts.num_landmarks, q.shape[2], k.shape[2])
+    return segment_means(q, m), segment_means(k, m, key_mask)
+
+
+def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=None, scale=None,
+                      generator=None):
+    """softmax(Q K̃ᵀ) pinv(softmax(Q̃ K̃ᵀ)) softmax(Q̃ Kᵀ) V, Q̃ and K̃ the landmark (segment) means.
+
+    Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
+    Cost O(L·m·D + m³) time, O(L·m) memory at most: the two outer kernels run as
+    SDPA (landmark queries over the keys; queries over the landmark keys), never an
+    L×L matrix. Padded keys take no part (in the landmarks or the softmax). With
+    m >= L the landmarks are Q and K and the result is full attention up to the
+    pseudo-inverse's convergence. Non-causal. Xiong et al., AAAI 2021.
+    """
+    s = softmax_scale(q, scale)
+    q_l, k_l = _landmarks(q, k, opts, key_mask)  # (B, H, m, D)
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    kernel_3 = F.scaled_dot_product_attention(q_l, k, v, attn_mask=mask, scale=s)  # (B, H, m, Dv)
+    kernel_2 = torch.softmax((q_l @ k_l.transpose(-1, -2)) * s, -1)  # (B, H, m, m)
+    middle = iterative_pinv(kernel_2, opts.pinv_iterations) @ kernel_3  # (B, H, m, Dv)
+    out = F.scaled_dot_product_attention(q, k_l, middle, scale=s)
+    return _no_key_rows_to_zero(out, key_mask)
+
+
+def _no_key_rows_to_zero(out, key_mask):
+    if key_mask is None:
+        return out
+    return out * key_mask.any(-1)[:, None, None, None].to(out.dtype)
+
+
+def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=None, scale=None,
+                      generator=None):
+    """The three (L, m), (m, m), (m, L) softmax kernels as plain matrices."""
+    s = softmax_scale(q, scale)
+    q_l, k_l = _landmarks(q, k, opts, key_mask)
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    kernel_1 = torch.softmax((q @ k_l.transpose(-1, -2)) * s, -1)
+    kernel_2 = torch.softmax((q_l @ k_l.transpose(-1, -2)) * s, -1)
+    kernel_3_v = softmax_reference(q_l, k, v, mask, s)
+    out = kernel_1 @ iterative_pinv(kernel_2, opts.pinv_iterations) @ kernel_3_v
+    return _no_key_rows_to_zero(out, key_mask)
+
+
+register(
+    Mechanism(
+        name="nystrom",
+        summary="Nyström approximation of softmax attention with segment-mean landmarks",
+        options=NystromOptions,
+        fn=nystrom_attention,
+        reference=nystrom_reference,
+        capabilities=Capabilities(causal=False, cross=True, key_mask=True),
+        time="O(L m d + m³)",
+        memory="O(L m)",
+        citation="Xiong et al., Nyströmformer: A Nyström-Based Algorithm for Approximating "
+        "Self-Attention, AAAI 2021",
+        reason_not_causal="landmarks average over segments that include future positions",
+    )
+)

@@ -1,0 +1,136 @@
+"""Performer's FAVOR+ (Choromanski et al., ICLR 2021): positive orthogonal random features."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnzoo.mechanisms._common import softmax_scale
+from attnzoo.mechanisms.linear import kernel_attention, kernel_reference
+from attnzoo.registry import Capabilities, Mechanism, register
+
+
+@dataclass(frozen=True)
+class PerformerOptions:
+    nb_features: int = 256  # m random features (used when they are drawn here)
+    features: torch.Tensor | None = None  # W (m, D); None = drawn from `generator`
+    orthogonal: bool = True  # orthogonal blocks (FAVOR+) rather than i.i.d. Gaussian rows
+    eps: float = 1e-6  # added to the normaliser
+    chunk: int = 64  # causal: queries per chunk of the prefix-sum engine
+
+    def __post_init__(self):
+        if self.nb_features < 1 or self.chunk < 1 or self.eps < 0:
+            raise ValueError("performer: need nb_features >= 1, chunk >= 1, eps >= 0")
+        if self.features is not None and (not isinstance(self.features, torch.Tensor)
+                                          or self.features.dim() != 2):
+            raise ValueError("performer: features must be an (m, D) tensor")
+
+
+def draw_features(m: int, D: int, *, orthogonal: bool, generator=None, device=None) -> torch.Tensor:
+    """W (m, D) with rows ~ N(0, I_D) marginally; orthogonal: rows orthogonal within blocks of D,
+    each row rescaled to the norm of a Gaussian vector (the paper's construction)."""
+    if not orthogonal:
+        return torch.randn(m, D, generator=generator, device=device)
+    blocks = []
+    for _ in range(math.ceil(m / D)):
+        g = torch.randn(D, D, generator=generator, device=device)
+        q, _ = torch.linalg.qr(g)
+        blocks.append(q.T)  # rows orthonormal
+    W = torch.cat(blocks)[:m]
+    norms = torch.randn(m, D, generator=generator, device=device).norm(dim=1, keepdim=True)
+    return W * norms
+
+
+def favor_features(x: torch.Tensor, W: torch.Tensor, scale: float, *, stabilise: str,
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """φ(x) = exp(W x' − ‖x'‖²/2 − c) / √m with x' = x·√scale, so φ(q)·φ(k) ≈ exp(q·k·scale) e^{-c}.
+
+    ``stabilise="row"``: c = each row's max (queries: cancels in the ratio);
+    ``"all"``: c = the max over every real key of a (batch, head) (a common factor
+    that cancels; padding, ``key_mask`` False, does not set it); ``"none"``: c = 0
+    (causal keys, so no future key sets the constant; W x' − ‖x'‖²/2 <= ‖w‖²/2
+    keeps it finite).
+    """
+    x = x * math.sqrt(scale)
+    proj = x @ W.to(x.dtype).T  # (B, H, L, m)
+    logits = proj - (x * x).sum(-1, keepdim=True) / 2
+    if stabilise == "row":
+        logits = logits - logits.amax(-1, keepdim=True)
+    elif stabilise == "all":
+        real = logits if key_mask is None else logits.masked_fill(~key_mask[:, None, :, None], -torch.inf)
+        c = real.amax(dim=(-1, -2), keepdim=True)
+        logits = logits - torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    return torch.exp(logits) / math.sqrt(W.shape[0])
+
+
+def _features_and_maps(q, k, opts, causal, key_mask, scale, generator):
+    W = opts.features
+    if W is None:
+        W = draw_features(opts.nb_features, q.shape[-1], orthogonal=opts.orthogonal,
+                          generator=generator, device=q.device)
+    elif W.shape[1] != q.shape[-1]:
+        raise ValueError(f"performer: features have {W.shape[1]} columns but D = {q.shape[-1]}")
+    s = softmax_scale(q, scale)
+    return (favor_features(q, W, s, stabilise="row"),
+            favor_features(k, W, s, stabilise="none" if causal else "all", key_mask=key_mask))
+
+
+def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_mask=None,
+                        scale=None, generator=None):
+    """Softmax attention approximated by positive random features: φ(Q)(φ(K)ᵀV) normalised.
+
+    Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
+    Cost O(L·m·(D + Dv)) time, O(L·m) memory; causal by the chunked prefix sums of
+    linear attention. Unbiased for exp(q·k·scale) (default scale 1/√D); the error
+    falls as m grows. Features are drawn from ``generator`` unless given.
+    Choromanski et al., Rethinking Attention with Performers, ICLR 2021.
+    """
+    phi_q, phi_k = _features_and_maps(q, k, opts, causal, key_mask, scale, generator)
+    out, _ = kernel_attention(phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=opts.eps,
+                              chunk=opts.chunk)
+    return out
+
+
+def performer_reference(q, k, v, opts=PerformerOptions(), *, causal=False, key_mask=None,
+                        scale=None, generator=None):
+    """Dense: A = φ(Q)φ(K)ᵀ on the visible keys, out = A V / (A 1 + eps)."""
+    phi_q, phi_k = _features_and_maps(q, k, opts, causal, key_mask, scale, generator)
+    return kernel_reference(phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=opts.eps)
+
+
+@dataclass(frozen=True)
+class PerformerLayerOptions:
+    """The layer keeps its features as a buffer; ``layer.redraw()`` draws new ones."""
+
+    def build(self, layer) -> None:
+        layer.register_buffer("features", self._draw(layer, "cpu"))
+
+    def redraw(self, layer) -> None:
+        layer.features = self._draw(layer, layer.features.device)
+
+    def _draw(self, layer, device):
+        opts = PerformerOptions(**layer.options)
+        return draw_features(opts.nb_features, layer.head_dim, orthogonal=opts.orthogonal,
+                             generator=layer.generator(device), device=device)
+
+    def forward_options(self, layer, device) -> dict:
+        return {"features": layer.features}
+
+
+register(
+    Mechanism(
+        name="performer",
+        summary="FAVOR+: positive orthogonal random features approximating softmax attention",
+        options=PerformerOptions,
+        fn=performer_attention,
+        reference=performer_reference,
+        capabilities=Capabilities(causal=True, cross=True, key_mask=True),
+        time="O(L m d)",
+        memory="O(L m)",
+        citation="Choromanski et al., Rethinking Attention with Performers, ICLR 2021",
+        randomized=True,
+        layer_options=PerformerLayerOptions,
+    )
+)

@@ -1,0 +1,46 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+
+from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
+
+cases = st.fixed_dictionaries({
+    "B": st.integers(1, 2), "H": st.integers(1, 3), "Lq": st.integers(1, 40),
+    "Lk": st.integers(1, 40), "D": st.integers(1, 6), "Dv": st.integers(1, 6),
+    "masked": st.booleans(), "seed": st.integers(0, 999),
+})
+
+
+@settings(max_examples=50, deadline=None)
+@given(cases)
+def test_efficient_matches_reference(case):
+    check_against_reference("efficient", **case)
+
+
+def test_efficient_is_the_seed_formula():
+    q, k, v, _ = random_inputs(B=1, H=1, Lq=20, Lk=20, D=8)
+    Q, K, V = q[0, 0], k[0, 0], v[0, 0]
+    expected = torch.softmax(Q, dim=1) @ (torch.softmax(K, dim=0).t() @ V)
+    torch.testing.assert_close(attnzoo.attention(q, k, v, mechanism="efficient")[0, 0], expected)
+
+
+def test_padding_takes_no_part():
+    q, k, v, _ = random_inputs(B=1, H=2, Lq=6, Lk=6)
+    km = torch.tensor([[True] * 6 + [False] * 3])
+    k_pad = torch.cat([k, 50 * torch.randn(1, 2, 3, k.shape[-1], dtype=k.dtype)], 2)
+    v_pad = torch.cat([v, 50 * torch.randn(1, 2, 3, v.shape[-1], dtype=v.dtype)], 2)
+    torch.testing.assert_close(attnzoo.attention(q, k_pad, v_pad, mechanism="efficient", key_mask=km),
+                               attnzoo.attention(q, k, v, mechanism="efficient"))
+
+
+def test_causal_is_refused_with_the_reason():
+    q, k, v, _ = random_inputs()
+    with pytest.raises(ValueError, match="efficient does not support causal=True: its column softmax"):
+        attnzoo.attention(q, k, v, mechanism="efficient", causal=True)
+
+
+def test_efficient_gradcheck():
+    check_gradcheck("efficient", masked=True, Lq=5, Lk=7)

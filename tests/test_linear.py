@@ -1,0 +1,65 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+from attnzoo.mechanisms.linear import LinearOptions, linear_step
+
+from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
+
+cases = st.fixed_dictionaries({
+    "B": st.integers(1, 2), "H": st.integers(1, 3), "Lq": st.integers(1, 40),
+    "Lk": st.integers(1, 40), "D": st.integers(1, 6), "Dv": st.integers(1, 6),
+    "causal": st.booleans(), "masked": st.booleans(), "seed": st.integers(0, 999),
+    "options": st.fixed_dictionaries({"chunk": st.integers(1, 9)}),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases)
+def test_linear_matches_reference(case):
+    check_against_reference("linear", **case)
+
+
+def test_normaliser_is_there_unlike_the_seed_notebook():
+    q, k, v, _ = random_inputs(B=1, H=1, Lq=9, Lk=9, D=4)
+    out = attnzoo.attention(q, k, v, mechanism="linear")
+    phi = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
+    seed_cell = phi(q) @ (phi(k).transpose(-1, -2) @ v)  # the notebook's un-normalised form
+    normaliser = phi(q) @ phi(k).sum(2, keepdim=True).transpose(-1, -2)
+    torch.testing.assert_close(out, seed_cell / (normaliser + 1e-6))
+    # Each output is a convex combination of the values: inside their range.
+    assert (out <= v.amax(2, keepdim=True) + 1e-12).all() and (out >= v.amin(2, keepdim=True) - 1e-12).all()
+
+
+def test_custom_feature_map():
+    check_against_reference("linear", causal=True, masked=True,
+                            options={"feature_map": lambda x: torch.relu(x) + 0.1})
+    with pytest.raises(ValueError, match="feature_map"):
+        LinearOptions(feature_map="relu")
+
+
+def test_step_by_step_equals_the_causal_call():
+    q, k, v, _ = random_inputs(B=2, H=3, Lq=17, Lk=17, D=5, Dv=4)
+    full = attnzoo.attention(q, k, v, mechanism="linear", causal=True)
+    state, outs = None, []
+    for t in range(17):
+        out, state = linear_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-12, rtol=1e-10)
+    # and in blocks of several tokens
+    out_a, state = linear_step(q[:, :, :6], k[:, :, :6], v[:, :, :6])
+    out_b, _ = linear_step(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], state)
+    torch.testing.assert_close(torch.cat([out_a, out_b], 2), full, atol=1e-12, rtol=1e-10)
+
+
+def test_linear_gradcheck():
+    check_gradcheck("linear", causal=True, masked=True, Lq=7, Lk=9, options={"chunk": 3})
+    check_gradcheck("linear", Lq=6, Lk=4)
+
+
+def test_no_scale():
+    q, k, v, _ = random_inputs()
+    with pytest.raises(ValueError, match="no score scale"):
+        attnzoo.attention(q, k, v, mechanism="linear", scale=0.5)

@@ -1,0 +1,39 @@
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+from attnzoo.mechanisms.nystrom import iterative_pinv, segment_means
+
+from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
+
+cases = st.fixed_dictionaries({
+    "B": st.integers(1, 2), "H": st.integers(1, 3), "Lq": st.integers(1, 40),
+    "Lk": st.integers(1, 40), "D": st.integers(1, 6), "Dv": st.integers(1, 6),
+    "masked": st.booleans(), "seed": st.integers(0, 999),
+    "options": st.fixed_dictionaries({"num_landmarks": st.integers(1, 12)}),
+})
+
+
+@settings(max_examples=50, deadline=None)
+@given(cases)
+def test_nystrom_matches_reference(case):
+    check_against_reference("nystrom", **case, atol=1e-9, rtol=1e-7)
+
+
+def test_landmarks_equal_to_length_give_full_attention():
+    q, k, v, _ = random_inputs(B=2, H=2, Lq=24, Lk=24, D=8)
+    out = attnzoo.attention(q, k, v, mechanism="nystrom", num_landmarks=24, pinv_iterations=30)
+    torch.testing.assert_close(out, attnzoo.attention(q, k, v), atol=1e-6, rtol=1e-6)
+
+
+def test_segment_means_and_pinv():
+    x = torch.arange(10, dtype=torch.float64).view(1, 1, 10, 1)
+    assert segment_means(x, 5).flatten().tolist() == [0.5, 2.5, 4.5, 6.5, 8.5]
+    assert segment_means(x, 3).flatten().tolist() == [1.5, 5.0, 8.0]  # segments 4, 3, 3 long
+    a = torch.softmax(torch.randn(3, 6, 6, dtype=torch.float64), -1)
+    torch.testing.assert_close(iterative_pinv(a, 40), torch.linalg.pinv(a), atol=1e-8, rtol=1e-6)
+
+
+def test_nystrom_gradcheck():
+    check_gradcheck("nystrom", masked=True, Lq=6, Lk=7, options={"num_landmarks": 3})

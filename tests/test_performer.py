@@ -1,0 +1,61 @@
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+from attnzoo.mechanisms.performer import draw_features
+
+from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
+
+cases = st.fixed_dictionaries({
+    "B": st.integers(1, 2), "H": st.integers(1, 3), "Lq": st.integers(1, 40),
+    "Lk": st.integers(1, 40), "D": st.integers(1, 6), "Dv": st.integers(1, 6),
+    "causal": st.booleans(), "masked": st.booleans(), "seed": st.integers(0, 999),
+    "options": st.fixed_dictionaries({"nb_features": st.integers(1, 20),
+                                      "orthogonal": st.booleans(), "chunk": st.integers(1, 9)}),
+})
+
+
+@settings(max_examples=50, deadline=None)
+@given(cases)
+def test_performer_matches_reference(case):
+    check_against_reference("performer", **case)
+
+
+def test_orthogonal_features_are_orthogonal_within_blocks():
+    W = draw_features(10, 4, orthogonal=True, generator=torch.Generator().manual_seed(0))
+    block = W[:4] / W[:4].norm(dim=1, keepdim=True)
+    torch.testing.assert_close(block @ block.T, torch.eye(4), atol=1e-5, rtol=0)
+
+
+def _error(m, causal, seeds=range(6)):
+    errs = []
+    for seed in seeds:
+        q, k, v, _ = random_inputs(B=1, H=2, Lq=64, Lk=64, D=16, seed=seed)
+        q, k = q * 0.6, k * 0.6  # moderately peaked attention
+        full = attnzoo.attention(q, k, v, causal=causal)
+        approx = attnzoo.attention(q, k, v, mechanism="performer", causal=causal, nb_features=m,
+                                   generator=torch.Generator().manual_seed(100 + seed))
+        errs.append(((approx - full).norm() / full.norm()).item())
+    return sum(errs) / len(errs)
+
+
+def test_error_against_full_attention_falls_as_features_grow():
+    for causal in (False, True):
+        errors = [_error(m, causal) for m in (8, 64, 512)]
+        assert errors[0] > 1.5 * errors[1] > 2.25 * errors[2], errors
+        assert errors[2] < 0.2, errors
+
+
+def test_module_redraws_on_request():
+    layer = attnzoo.MultiheadAttention(16, 2, mechanism="performer", nb_features=8)
+    before = layer.features.clone()
+    x = torch.randn(1, 5, 16)
+    torch.testing.assert_close(layer(x), layer(x))  # fixed features between redraws
+    layer.redraw()
+    assert not torch.equal(before, layer.features)
+    assert "features" in layer.state_dict()
+
+
+def test_performer_gradcheck():
+    check_gradcheck("performer", causal=True, masked=True, Lq=6, Lk=6, options={"nb_features": 5})
