@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: bench test list lint clean
+.PHONY: bench test list patterns lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 bench: $(STAMP)
+	$(VENV)/bin/attnzoo bench
+
+list: $(STAMP)
 	$(VENV)/bin/attnzoo list
+
+patterns: $(STAMP)
+	$(VENV)/bin/attnzoo patterns
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests
@@ -24,4 +30,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 
 clean:
-	rm -rf $(VENV) bench-results
+	rm -rf $(VENV) bench-results patterns

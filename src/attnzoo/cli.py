@@ -42,16 +42,170 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1024,2048, got {text!r}") from None
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def _mechanism_options(pairs: list[str]) -> dict[str, dict]:
+    """['lsh.n_hashes=8', 'local.window=128'] -> {'lsh': {'n_hashes': 8}, 'local': {...}}."""
+    options: dict[str, dict] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        name, dot, option = key.partition(".")
+        if not sep or not dot:
+            raise ValueError(f"--option takes MECHANISM.OPTION=VALUE, got {pair!r}")
+        attnzoo.get(name)
+        options.setdefault(name, {})[option] = _parse_value(value)
+    return options
+
+
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from attnzoo.bench import BenchConfig, Shape, run_sweep, write
+
+    config = BenchConfig(
+        mechanisms=args.mechanisms.split(",") if args.mechanisms else [],
+        lengths=args.lengths,
+        shape=Shape(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+                    causal=args.causal, backward=args.backward),
+        repeats=args.repeats, threads=args.threads, timeout_s=args.timeout,
+        error_max_len=args.error_max_len, options=_mechanism_options(args.option),
+    )
+    total = len(config.mechanisms) * len(config.lengths)
+    columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("", total=total)
+
+        def on_cell(cell: dict) -> None:
+            note = "" if cell["status"] == "ok" else " (skipped)"
+            progress.update(task, advance=1, description=f"{cell['mechanism']} L={cell['L']}{note}")
+
+        result = run_sweep(config, on_cell)
+    command = "attnzoo bench " + " ".join(args.argv) if args.argv else "attnzoo bench"
+    paths = write(result, Path(args.out), command=command)
+    console.print(_bench_table(result))
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _bench_table(result: dict) -> Table:
+    lengths = result["config"]["lengths"]
+    cells = {(c["mechanism"], c["L"]): c for c in result["cells"]}
+    m = result["machine"]
+    table = Table(title=f"time (ms, median) on {m['cpu']}, {m['threads']} threads; "
+                  f"matmul ceiling {m['matmul_gflops']:.0f} GFLOP/s")
+    table.add_column("mechanism", style="bold")
+    for L in lengths:
+        table.add_column(f"L={L}", justify="right")
+    for col in ("peak MiB", "GFLOP/s", "err gauss", "err peaked", "t ~ L^", "mem ~ L^", "beats full"):
+        table.add_column(f"{col}", justify="right")
+    for name in result["config"]["mechanisms"]:
+        row = [name]
+        for L in lengths:
+            c = cells.get((name, L))
+            row.append(f"{c['time_s'] * 1e3:.1f}" if c and c["status"] == "ok" else "[dim]skip[/dim]")
+        ok = [c for c in result["cells"] if c["mechanism"] == name and c["status"] == "ok"]
+        last = ok[-1] if ok else {}
+        with_err = [c for c in ok if c.get("error_gaussian") is not None]
+        err = with_err[-1] if with_err else {}
+        d = result["derived"][name]
+
+        def f(x, spec):
+            return "—" if x is None else format(x, spec)
+
+        peak = last.get("peak_bytes")
+        row += [f(None if peak is None else peak / 2**20, ".0f"), f(last.get("gflops_per_s"), ".1f"),
+                f(err.get("error_gaussian"), ".1e"), f(err.get("error_peaked"), ".1e"),
+                f(d["time_exponent"], ".2f"), f(d["memory_exponent"], ".2f"),
+                str(d["crossover_L"] or "—")]
+        table.add_row(*row)
+    table.caption = ("peak MiB and GFLOP/s at the longest length run; errors at the longest length "
+                     "with an error; exponents fitted over the lengths run")
+    return table
+
+
+def cmd_patterns(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from attnzoo.bench.patterns import draw
+
+    names = args.mechanisms.split(",") if args.mechanisms else attnzoo.mechanisms()
+    for name in names:
+        attnzoo.get(name)
+    with console.status(f"drawing {len(names)} mechanisms at L = {args.length}"):
+        paths = draw(Path(args.out), mechanisms=names, length=args.length, causal=not args.non_causal,
+                     seed=args.seed, options=_mechanism_options(args.option))
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="every mechanism with its capabilities and cost")
     p_list.set_defaults(run=cmd_list)
+
+    p_bench = sub.add_parser("bench", help="time, memory, FLOPs and error of each mechanism by length",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p_bench.add_argument("--mechanisms", default="", help="comma-separated names (default: all)")
+    p_bench.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192],
+                         help="sequence lengths, e.g. 1024,2048")
+    p_bench.add_argument("--batch", type=int, default=1)
+    p_bench.add_argument("--heads", type=int, default=8)
+    p_bench.add_argument("--head-dim", type=int, default=64)
+    p_bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p_bench.add_argument("--causal", action="store_true", help="causal attention")
+    p_bench.add_argument("--backward", action="store_true", help="time forward + backward")
+    p_bench.add_argument("--repeats", type=int, default=3, help="timed calls per cell")
+    p_bench.add_argument("--threads", type=int, default=torch_threads(), help="torch threads")
+    p_bench.add_argument("--timeout", type=float, default=60.0,
+                         help="seconds; a call slower than this ends that mechanism's sweep")
+    p_bench.add_argument("--error-max-len", type=int, default=8192,
+                         help="measure error against full only up to this length")
+    p_bench.add_argument("--option", action="append", default=[], metavar="MECH.OPT=VALUE",
+                         help="a mechanism option, e.g. lsh.n_hashes=8 (repeatable)")
+    p_bench.add_argument("--out", default="bench-results", help="output folder")
+    p_bench.set_defaults(run=cmd_bench)
+
+    p_pat = sub.add_parser("patterns", help="PNG grids of each mechanism's connectivity and weights",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p_pat.add_argument("--mechanisms", default="", help="comma-separated names (default: all)")
+    p_pat.add_argument("--length", type=int, default=64)
+    p_pat.add_argument("--non-causal", action="store_true", help="draw the non-causal variants")
+    p_pat.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p_pat.add_argument("--option", action="append", default=[], metavar="MECH.OPT=VALUE",
+                       help="a mechanism option, e.g. strided.stride=4 (repeatable)")
+    p_pat.add_argument("--out", default="patterns", help="output folder")
+    p_pat.set_defaults(run=cmd_patterns)
     return parser
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]
     # Wide enough for the tables when output goes to a file or a pipe.
     console = Console() if sys.stdout.isatty() else Console(width=200)
     try:

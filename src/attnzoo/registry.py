@@ -70,6 +70,9 @@ class Mechanism:
     layer_options: type | None = None
     # recurrent mechanisms: (q, k, v, state | None, opts) -> (out, state), causal decoding
     step: Callable[..., Any] | None = None
+    # (B, H, Lq, Lk, D, Dv, causal, opts) -> floating-point operations of the fast function
+    # (2 per multiply-add of its products, block padding included); None = not stated
+    flops: Callable[..., float] | None = None
 
     def option_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.options)]

@@ -81,6 +81,12 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     return o.reshape(B, H, Lp, -1)[:, :, :L], lse.reshape(B, H, Lp)[:, :, :L]
 
 
+def window_flops(N: int, *, block: int, left: int, right: int, D: int, Dv: int) -> float:
+    """FLOPs of :func:`window_partial` for one (batch, head): scores and weighted sum per block."""
+    nb = -(-N // block)
+    return 2.0 * nb * block * (block + left + right) * (D + Dv)
+
+
 def to_frame(q, k, v, key_mask):
     """Put q and k/v on one frame of N = max(Lq, Lk) positions for self-attention patterns.
 

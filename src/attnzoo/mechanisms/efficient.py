@@ -54,6 +54,10 @@ def efficient_reference(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     return weights @ v
 
 
+def efficient_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    return 2.0 * B * H * (Lk + Lq) * D * Dv
+
+
 register(
     Mechanism(
         name="efficient",
@@ -65,6 +69,7 @@ register(
         time="O(L d²)",
         memory="O(L d + d²)",
         citation="Shen et al., Efficient Attention: Attention with Linear Complexities, WACV 2021",
+        flops=efficient_flops,
         reason_not_causal="its column softmax normalises every key over all positions, future "
         "included, and the paper defines no causal form",
     )

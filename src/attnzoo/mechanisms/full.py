@@ -57,6 +57,16 @@ def softmax_reference(q, k, v, mask, scale):
     return weights @ v
 
 
+def full_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    """2·(D + Dv) per visible (query, key) pair: the fused kernel skips masked causal blocks."""
+    if not causal:
+        pairs = Lq * Lk
+    else:
+        seen = [min(max(i + Lk - Lq + 1, 0), Lk) for i in range(Lq)]
+        pairs = sum(seen)
+    return 2.0 * B * H * pairs * (D + Dv)
+
+
 def full_reference(q, k, v, opts=FullOptions(), *, causal=False, key_mask=None, scale=None,
                    generator=None):
     """softmax(q kᵀ · scale + mask) v written out densely."""
@@ -75,5 +85,6 @@ register(
         time="O(L² d)",
         memory="O(L) fused (O(L²) with a mask)",
         citation="Vaswani et al., Attention Is All You Need, NeurIPS 2017",
+        flops=full_flops,
     )
 )

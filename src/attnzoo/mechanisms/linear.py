@@ -105,6 +105,18 @@ def kernel_attention(phi_q, phi_k, v, *, causal, key_mask, eps, chunk, kv0=None)
     return _finish(out, eps), LinearState(kv)
 
 
+def kernel_flops(Lq, Lk, Fdim, Dv, causal, chunk) -> float:
+    """FLOPs of :func:`kernel_attention` for one (batch, head), features given."""
+    X = Dv + 1
+    if not causal:
+        return 2.0 * (Lk + Lq) * Fdim * X
+    off = Lk - Lq
+    aligned = min(Lq, Lk)
+    n = -(-aligned // chunk) * chunk
+    prefix = 2.0 * max(off, 0) * Fdim * X
+    return prefix + 2.0 * n * chunk * (Fdim + X) + 4.0 * n * Fdim * X
+
+
 def _feature_map(opts: LinearOptions):
     return elu_feature_map if opts.feature_map == "elu" else opts.feature_map
 
@@ -151,6 +163,10 @@ def kernel_reference(phi_q, phi_k, v, *, causal, key_mask, eps):
     return (A @ v) / (A.sum(-1, keepdim=True) + eps)
 
 
+def linear_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    return B * H * kernel_flops(Lq, Lk, D, Dv, causal, opts.chunk)
+
+
 def linear_reference(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=None, scale=None,
                      generator=None):
     _no_scale("linear", scale)
@@ -171,5 +187,6 @@ register(
         citation="Katharopoulos et al., Transformers are RNNs: Fast Autoregressive Transformers "
         "with Linear Attention, ICML 2020",
         step=linear_step,
+        flops=linear_flops,
     )
 )

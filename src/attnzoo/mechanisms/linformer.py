@@ -80,6 +80,11 @@ def linformer_reference(q, k, v, opts=LinformerOptions(), *, causal=False, key_m
     return softmax_reference(q, EK, FV, None, scale)
 
 
+def linformer_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    p = opts.proj_k.shape[0] if opts.proj_k is not None else opts.proj_len
+    return 2.0 * B * H * (p * Lk + Lq * p) * (D + Dv)
+
+
 @dataclass(frozen=True)
 class LinformerLayerOptions:
     max_len: int | None = None  # longest sequence: E and F are (proj_len, max_len) parameters
@@ -114,5 +119,6 @@ register(
         randomized=True,
         reason_not_causal="each projected key mixes every position, future included",
         layer_options=LinformerLayerOptions,
+        flops=linformer_flops,
     )
 )

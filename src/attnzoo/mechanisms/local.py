@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import pattern_reference, softmax_scale, to_frame, window_partial
+from attnzoo.mechanisms._common import (
+    pattern_reference,
+    softmax_scale,
+    to_frame,
+    window_flops,
+    window_partial,
+)
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -40,11 +46,20 @@ def local_attention(q, k, v, opts=LocalOptions(), *, causal=False, key_mask=None
     """
     q_, k_, v_, key_valid, Lq = to_frame(q, k, v, key_mask)
     left, right = _offsets(opts, causal)
-    block = opts.block or min(opts.window, 64)
-    o, _ = window_partial(q_, k_, v_, key_valid, block=block, left=left, right=right,
+    o, _ = window_partial(q_, k_, v_, key_valid, block=_block(opts), left=left, right=right,
                           allowed=lambda i, j: (j >= i - left) & (j <= i + right),
                           scale=softmax_scale(q, scale))
     return o[:, :, -Lq:]
+
+
+def _block(opts: LocalOptions) -> int:
+    return opts.block or min(opts.window, 64)
+
+
+def local_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    left, right = _offsets(opts, causal)
+    N = max(Lq, Lk)
+    return B * H * window_flops(N, block=_block(opts), left=left, right=right, D=D, Dv=Dv)
 
 
 def local_pattern(length: int, opts: LocalOptions, causal: bool) -> torch.Tensor:
@@ -67,5 +82,6 @@ register(
         memory="O(L w)",
         citation="baseline; as in Beltagy et al., Longformer, 2020",
         pattern=local_pattern,
+        flops=local_flops,
     )
 )

@@ -91,6 +91,12 @@ def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_
     return out[:, :, -Lq:]
 
 
+def log_sparse_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    """One score (D multiply-adds) and one weighted value (Dv) per offset and position."""
+    N = max(Lq, Lk)
+    return 2.0 * B * H * N * len(_signed_offsets(opts, N, causal)) * (D + Dv)
+
+
 def log_sparse_pattern(length: int, opts: LogSparseOptions, causal: bool) -> torch.Tensor:
     """(L, L) bool: query i attends key j iff i - j is one of the offsets (same subsequence)."""
     i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
@@ -114,6 +120,7 @@ register(
         citation="Li et al., Enhancing the Locality and Breaking the Memory Bottleneck of "
         "Transformer on Time Series Forecasting, NeurIPS 2019",
         pattern=log_sparse_pattern,
+        flops=log_sparse_flops,
         layer_options=LogSparseLayerOptions,
     )
 )

@@ -173,6 +173,16 @@ def _take_int(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(t, 2, flat).view(idx.shape)
 
 
+def lsh_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    """Per round: hashing (2·L·D·b/2 for q, and for k unless shared) and the chunked scores and
+    weighted values (2·Lp·2m·(D + Dv))."""
+    L, m = Lq, opts.bucket_size
+    b = n_buckets_for(L, opts)
+    hashes = (1 if opts.shared_qk else 2) * 2.0 * L * D * (b // 2 if b > 1 else 0)
+    chunks = 2.0 * (-(-L // m)) * m * 2 * m * (D + Dv)
+    return B * H * opts.n_hashes * (hashes + chunks)
+
+
 def lsh_mask(q, k, opts, causal, key_mask, scale, generator):
     """(B, H, L, L) bool: which keys each query meets in some round (and may attend)."""
     keys = _keys_of(q, k, opts)
@@ -220,6 +230,7 @@ register(
         citation="Kitaev et al., Reformer: The Efficient Transformer, ICLR 2020",
         randomized=True,
         data_pattern=lsh_mask,
+        flops=lsh_flops,
         layer_options=LSHLayerOptions,
     )
 )

@@ -97,6 +97,14 @@ def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
     return _no_key_rows_to_zero(out, key_mask)
 
 
+def nystrom_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    m = min(opts.num_landmarks, Lq, Lk)
+    means = 2.0 * m * (Lq + Lk) * D
+    kernels = 2.0 * m * Lk * (D + Dv) + 2.0 * m * m * D + 2.0 * Lq * m * (D + Dv)
+    pinv = opts.pinv_iterations * 8.0 * m**3 + 2.0 * m * m * Dv
+    return B * H * (means + kernels + pinv)
+
+
 register(
     Mechanism(
         name="nystrom",
@@ -110,5 +118,6 @@ register(
         citation="Xiong et al., Nyströmformer: A Nyström-Based Algorithm for Approximating "
         "Self-Attention, AAAI 2021",
         reason_not_causal="landmarks average over segments that include future positions",
+        flops=nystrom_flops,
     )
 )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.mechanisms._common import softmax_scale
-from attnzoo.mechanisms.linear import kernel_attention, kernel_reference
+from attnzoo.mechanisms.linear import kernel_attention, kernel_flops, kernel_reference
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -100,6 +100,11 @@ def performer_reference(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     return kernel_reference(phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=opts.eps)
 
 
+def performer_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    m = opts.features.shape[0] if opts.features is not None else opts.nb_features
+    return B * H * (2.0 * (Lq + Lk) * m * D + kernel_flops(Lq, Lk, m, Dv, causal, opts.chunk))
+
+
 @dataclass(frozen=True)
 class PerformerLayerOptions:
     """The layer keeps its features as a buffer; ``layer.redraw()`` draws new ones."""
@@ -132,5 +137,6 @@ register(
         citation="Choromanski et al., Rethinking Attention with Performers, ICLR 2021",
         randomized=True,
         layer_options=PerformerLayerOptions,
+        flops=performer_flops,
     )
 )

@@ -163,6 +163,12 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     return out.scatter(2, top[..., None].expand(-1, -1, -1, v.shape[-1]), active_out)
 
 
+def prob_sparse_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    """Sampled scores 2·Lq·U_part·D, then full attention of the u active queries."""
+    u, U_part = sizes(Lq, Lk, opts.factor)
+    return 2.0 * B * H * (Lq * U_part * D + u * Lk * (D + Dv))
+
+
 def prob_sparse_reference(q, k, v, opts=ProbSparseOptions(), *, causal=False, key_mask=None,
                           scale=None, generator=None):
     """The same selection recomputed densely from the full (Lq, Lk) score matrix."""
@@ -209,5 +215,6 @@ register(
         "Time-Series Forecasting, AAAI 2021",
         randomized=True,
         data_pattern=prob_sparse_connectivity,
+        flops=prob_sparse_flops,
     )
 )

@@ -27,6 +27,7 @@ from attnzoo.mechanisms._common import (
     pattern_reference,
     softmax_scale,
     to_frame,
+    window_flops,
     window_partial,
 )
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -106,10 +107,15 @@ def _strided_a2(q, k, v, key_valid, l, causal, include_self, scale):
     return o, lse
 
 
+def _strided_a1_window(l, causal):
+    """(block, left, right) of the banded computation of strided's A1."""
+    return min(l, 64), l - 1, 0 if causal else l - 1
+
+
 def _strided_a1(q, k, v, key_valid, l, causal, scale):
     """Partial over the previous l positions (two-sided: |i - j| < l)."""
-    right = 0 if causal else l - 1
-    return window_partial(q, k, v, key_valid, block=min(l, 64), left=l - 1, right=right,
+    block, left, right = _strided_a1_window(l, causal)
+    return window_partial(q, k, v, key_valid, block=block, left=left, right=right,
                           allowed=lambda i, j: (j > i - l) & (j < i + right + 1), scale=scale)
 
 
@@ -199,6 +205,32 @@ def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None
     return out[:, :, -Lq:]
 
 
+def _by_heads(H, flops_a1, flops_a2, heads):
+    """Total FLOPs over heads: every head does both (union) or even A1 and odd A2 (split)."""
+    if heads == "union":
+        return H * (flops_a1 + flops_a2)
+    return -(-H // 2) * flops_a1 + (H // 2) * flops_a2
+
+
+def strided_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    N = max(Lq, Lk)
+    l = _stride(opts, N)
+    block, left, right = _strided_a1_window(l, causal)
+    m = -(-N // l)
+    a1 = window_flops(N, block=block, left=left, right=right, D=D, Dv=Dv)
+    a2 = 2.0 * l * m * m * (D + Dv)
+    return B * _by_heads(H, a1, a2, opts.heads)
+
+
+def fixed_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    N = max(Lq, Lk)
+    l = _stride(opts, N)
+    c = _summary_cells(opts, l)
+    a1 = window_flops(N, block=l, left=0, right=0, D=D, Dv=Dv)
+    a2 = 2.0 * N * (-(-N // l) * c) * (D + Dv)
+    return B * _by_heads(H, a1, a2, opts.heads)
+
+
 def strided_pattern(length: int, opts: StridedOptions, causal: bool) -> torch.Tensor:
     """(L, L) bool for union, (2, L, L) [A1, A2] for split."""
     l = _stride(opts, length)
@@ -237,6 +269,7 @@ register(
         time="O(L (l + L/l) d) = O(L√L d)",
         memory="O(L√L)",
         pattern=strided_pattern,
+        flops=strided_flops,
         **_COMMON,
     )
 )
@@ -251,6 +284,7 @@ register(
         time="O(L (l + c L/l) d)",
         memory="O(L (l + c L/l))",
         pattern=fixed_pattern,
+        flops=fixed_flops,
         **_COMMON,
     )
 )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo.mechanisms.linear import _no_scale, kernel_attention, kernel_reference
+from attnzoo.mechanisms.linear import _no_scale, kernel_attention, kernel_flops, kernel_reference
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -52,6 +52,10 @@ def taylor_reference(q, k, v, opts=TaylorOptions(), *, causal=False, key_mask=No
                             causal=causal, key_mask=key_mask, eps=opts.eps)
 
 
+def taylor_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    return B * H * kernel_flops(Lq, Lk, D + 1, Dv, causal, opts.chunk)
+
+
 register(
     Mechanism(
         name="taylor",
@@ -64,5 +68,6 @@ register(
         memory="O(L d + d²)",
         citation="Li et al., Linear Attention Mechanism: An Efficient Attention for Semantic "
         "Segmentation, 2020",
+        flops=taylor_flops,
     )
 )

@@ -1,0 +1,171 @@
+"""Measuring one mechanism in this process: inputs, time, peak memory, error against full.
+
+Run by the sweep in a fresh child process per mechanism (``python -m attnzoo.bench.child``),
+so one mechanism's allocations never count against another's.
+
+Peak memory of one call: the kernel's resident high-water mark (VmHWM) is reset
+to the current resident set by writing 5 to /proc/self/clear_refs, right after
+``gc.collect()`` and glibc ``malloc_trim(0)`` have handed freed memory back and
+after the inputs exist; the call's peak is VmHWM afterwards minus VmRSS before.
+It counts every page the call touched (intermediates, output, and with backward
+the saved activations and gradients), exact to the page, not sampled. Where
+/proc is missing (not Linux) memory is reported as unknown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import attnzoo
+
+FAMILIES = ("gaussian", "peaked")
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = False
+    backward: bool = False
+
+
+def make_inputs(shape: Shape, L: int, family: str, seed: int = 0):
+    """q, k, v of (B, H, L, D) for an input family.
+
+    - ``gaussian``: i.i.d. N(0, 1): scores q·k/√D have unit variance, so attention is
+      spread nearly uniformly over the keys (the hard case for sparse patterns).
+    - ``peaked``: every feature an AR(1) process along the sequence (coefficient
+      0.9, unit variance), q = k + 0.1 noise, scaled by 1.5: scores fall as
+      ~18·0.9^|i-j|, so attention concentrates on the nearest ~20 positions, as in
+      smooth time series.
+    """
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+    size = (shape.batch, shape.heads, L, shape.head_dim)
+    if family == "gaussian":
+        q, k, v = (torch.randn(size, generator=g) for _ in range(3))
+    elif family == "peaked":
+        noise = torch.randn(size, generator=g)
+        k = torch.empty(size)
+        k[:, :, 0] = noise[:, :, 0]
+        rho = 0.9
+        for i in range(1, L):  # AR(1): k_i = rho k_{i-1} + sqrt(1 - rho²) e_i
+            k[:, :, i] = rho * k[:, :, i - 1] + math.sqrt(1 - rho * rho) * noise[:, :, i]
+        q = 1.5 * (k + 0.1 * torch.randn(size, generator=g))
+        k = 1.5 * k
+        v = torch.randn(size, generator=g)
+    else:
+        raise ValueError(f"unknown input family {family!r}; known: {FAMILIES}")
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _proc_status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def peak_memory(fn) -> int | None:
+    """Bytes of resident memory ``fn()`` adds at its peak (see the module doc), or None."""
+    _release_memory()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        fn()
+        return None
+    before = _proc_status("VmRSS")
+    fn()
+    after = _proc_status("VmHWM")
+    if before is None or after is None:
+        return None
+    return max(0, after - before)
+
+
+def call(name: str, q, k, v, shape: Shape, options: dict):
+    """One timed unit: a forward (no grad), or forward + backward with a fixed upstream grad."""
+    gen = torch.Generator().manual_seed(0)
+    if not shape.backward:
+        with torch.no_grad():
+            return attnzoo.attention(q, k, v, mechanism=name, causal=shape.causal, generator=gen,
+                                     **options)
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = attnzoo.attention(q, k, v, mechanism=name, causal=shape.causal, generator=gen, **options)
+    out.backward(torch.ones_like(out))
+    return out.detach()
+
+
+def timings(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def relative_error(name: str, shape: Shape, L: int, family: str, options: dict) -> float:
+    """‖out − full‖ / ‖full‖ on one input family, forward, float64 accumulation of the norm."""
+    q, k, v = make_inputs(shape, L, family)
+    fwd = Shape(**{**shape.__dict__, "backward": False})
+    out = call(name, q, k, v, fwd, options).double()
+    ref = call("full", q, k, v, fwd, {}).double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def measure_cell(name: str, L: int, shape: Shape, options: dict, *, repeats: int,
+                 error_max_len: int) -> dict:
+    """Everything the sweep records for one (mechanism, L)."""
+    q, k, v = make_inputs(shape, L, "gaussian")
+    warm = timings(lambda: call(name, q, k, v, shape, options), 1)[0]
+    memory = peak_memory(lambda: call(name, q, k, v, shape, options))
+    times = timings(lambda: call(name, q, k, v, shape, options), repeats)
+    spec = attnzoo.get(name)
+    flops = None
+    if spec.flops is not None:
+        opts = attnzoo.registry.make_options(spec, options)
+        flops = spec.flops(shape.batch, shape.heads, L, L, shape.head_dim, shape.head_dim,
+                           shape.causal, opts)
+        if shape.backward:
+            flops *= 3  # backward ≈ twice the forward's products, the usual estimate
+    median = statistics.median(times)
+    cell = {
+        "mechanism": name, "L": L, "status": "ok", "warmup_s": warm,
+        "time_s": median, "time_min_s": min(times), "time_max_s": max(times),
+        "times_s": times, "peak_bytes": memory, "flops": flops,
+        "gflops_per_s": None if flops is None else flops / median / 1e9,
+    }
+    for family in FAMILIES:
+        cell[f"error_{family}"] = (relative_error(name, shape, L, family, options)
+                                   if L <= error_max_len else None)
+    return cell
+
+
+def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """The machine's float32 matmul rate (GFLOP/s, median), the ceiling for every mechanism."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    return 2 * n**3 / statistics.median(timings(lambda: a @ b, repeats)) / 1e9

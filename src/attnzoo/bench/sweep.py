@@ -1,0 +1,163 @@
+"""The sweep: mechanisms × lengths, one child process per mechanism, and what follows from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import attnzoo
+from attnzoo.bench.measure import Shape, matmul_gflops
+
+
+def _default_mem_cap_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            total_kib = int(f.readline().split()[1])
+        return round(0.75 * total_kib / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return 16.0
+
+
+@dataclass
+class BenchConfig:
+    mechanisms: list[str] = field(default_factory=list)  # empty = every registered mechanism
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    shape: Shape = field(default_factory=Shape)
+    repeats: int = 3  # timed calls per cell, after one warm-up and one memory call
+    threads: int = field(default_factory=lambda: torch.get_num_threads())
+    timeout_s: float = 60.0  # a cell whose warm-up call takes longer ends the mechanism's sweep
+    error_max_len: int = 8192  # error against full only up to this length (full is O(L²))
+    mem_cap_gib: float = field(default_factory=_default_mem_cap_gib)  # address-space cap per child
+    options: dict[str, dict] = field(default_factory=dict)  # per-mechanism options
+
+    def __post_init__(self):
+        known = attnzoo.mechanisms()
+        self.mechanisms = list(self.mechanisms) or known
+        unknown = [m for m in self.mechanisms if m not in known]
+        if unknown:
+            raise ValueError(f"unknown mechanism(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        if not self.lengths or any(L < 2 for L in self.lengths):
+            raise ValueError(f"lengths must be >= 2, got {self.lengths}")
+        self.lengths = sorted(set(self.lengths))
+        if self.repeats < 1 or self.threads < 1 or self.timeout_s <= 0:
+            raise ValueError("repeats and threads must be >= 1 and timeout > 0")
+        if self.shape.dtype not in ("float32", "float64", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, float64, bfloat16 or float16, got {self.shape.dtype}")
+        for name, opts in self.options.items():
+            attnzoo.registry.make_options(attnzoo.get(name), opts)  # reject bad options up front
+
+
+def machine_info(threads: int) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "attnzoo": attnzoo.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "matmul_gflops": matmul_gflops(threads),
+    }
+
+
+def _skip(name: str, lengths: list[int], reason: str) -> list[dict]:
+    return [{"mechanism": name, "L": L, "status": "skipped", "reason": reason} for L in lengths]
+
+
+def _run_child(name: str, config: BenchConfig, on_cell: Callable[[dict], None]) -> list[dict]:
+    job = {
+        "mechanism": name, "lengths": config.lengths, "shape": dataclasses.asdict(config.shape),
+        "repeats": config.repeats, "threads": config.threads, "timeout_s": config.timeout_s,
+        "error_max_len": config.error_max_len, "mem_cap_gib": config.mem_cap_gib,
+        "options": config.options.get(name, {}),
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "attnzoo.bench.child", json.dumps(job)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    cells: list[dict] = []
+    per_cell_limit = config.timeout_s * (config.repeats + 6)
+    while len(cells) < len(config.lengths):
+        try:
+            line = lines.get(timeout=per_cell_limit)
+        except queue.Empty:
+            proc.kill()
+            left = config.lengths[len(cells):]
+            cells += _skip(name, left, f"killed after {per_cell_limit:.0f} s without finishing L={left[0]}")
+            break
+        if line is None:  # the child ended early: report why
+            proc.wait()
+            err = proc.stderr.read().strip().splitlines()
+            reason = f"child failed: {err[-1] if err else f'exit code {proc.returncode}'}"
+            cells += _skip(name, config.lengths[len(cells):], reason)
+            break
+        cells.append(json.loads(line))
+        on_cell(cells[-1])
+    proc.wait()
+    return cells
+
+
+def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of log y against log x (the scaling exponent), None under 2 points."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if y and y > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else None
+
+
+def derived(cells: list[dict], mechanisms: list[str]) -> dict[str, dict]:
+    """Per mechanism: time and memory exponents in L, and the crossover length against full."""
+    ok = [c for c in cells if c["status"] == "ok"]
+    full_time = {c["L"]: c["time_s"] for c in ok if c["mechanism"] == "full"}
+    out = {}
+    for name in mechanisms:
+        mine = sorted((c for c in ok if c["mechanism"] == name), key=lambda c: c["L"])
+        Ls = [c["L"] for c in mine]
+        crossover = next((c["L"] for c in mine if c["L"] in full_time and name != "full"
+                          and c["time_s"] < full_time[c["L"]]), None)
+        out[name] = {
+            "time_exponent": loglog_slope(Ls, [c["time_s"] for c in mine]),
+            "memory_exponent": loglog_slope(Ls, [c["peak_bytes"] for c in mine]),
+            "crossover_L": crossover,
+        }
+    return out
+
+
+def run_sweep(config: BenchConfig, on_cell: Callable[[dict], None] = lambda cell: None) -> dict:
+    """Run every cell; never raises for a cell (it is recorded as skipped with the reason)."""
+    cells: list[dict] = []
+    for name in config.mechanisms:
+        spec = attnzoo.get(name)
+        if config.shape.causal and not spec.capabilities.causal:
+            reason = f"no causal form: {spec.reason_not_causal}"
+            skipped = _skip(name, config.lengths, reason)
+            cells += skipped
+            for cell in skipped:
+                on_cell(cell)
+            continue
+        cells += _run_child(name, config, on_cell)
+    return {
+        "machine": machine_info(config.threads),
+        "config": {**dataclasses.asdict(config)},
+        "cells": cells,
+        "derived": derived(cells, config.mechanisms),
+    }

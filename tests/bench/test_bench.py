@@ -1,0 +1,114 @@
+import csv
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import attnzoo
+from attnzoo.bench import BenchConfig, Shape, run_sweep, write
+from attnzoo.bench.measure import make_inputs
+from attnzoo.bench.sweep import loglog_slope
+from attnzoo.cli import main
+from attnzoo.mechanisms.prob_sparse import sizes
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    config = BenchConfig(mechanisms=["full", "local", "efficient"], lengths=[128, 64],
+                         shape=Shape(heads=2, head_dim=16, causal=True), repeats=2, threads=1,
+                         options={"local": {"window": 16}})
+    result = run_sweep(config)
+    return result, write(result, out), out
+
+
+def test_sweep_writes_every_file(tiny_sweep):
+    result, paths, out = tiny_sweep
+    names = {p.name for p in paths}
+    assert {"results.json", "results.csv", "report.md", "time_vs_length.png",
+            "memory_vs_length.png", "error.png"} <= names
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["machine"]["torch"] == torch.__version__ and saved["machine"]["cores"] >= 1
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == 3 * 2
+
+
+def test_sweep_contents_are_sane(tiny_sweep):
+    result, _, out = tiny_sweep
+    assert result["config"]["lengths"] == [64, 128]  # sorted
+    ok = [c for c in result["cells"] if c["status"] == "ok"]
+    assert {c["mechanism"] for c in ok} == {"full", "local"}
+    for c in ok:
+        assert 0 < c["time_min_s"] <= c["time_s"] <= c["time_max_s"] < 60
+        assert c["flops"] > 0 and c["gflops_per_s"] > 0
+        assert c["peak_bytes"] is None or c["peak_bytes"] >= 0
+    for c in ok:
+        if c["mechanism"] == "full":
+            assert c["error_gaussian"] == 0 and c["error_peaked"] == 0
+        else:
+            assert 0 < c["error_gaussian"] and 0 < c["error_peaked"]
+    for c in (c for c in result["cells"] if c["mechanism"] == "efficient"):
+        assert c["status"] == "skipped" and "no causal form" in c["reason"]
+    assert "efficient" in (out / "report.md").read_text().split("## Skipped")[1]
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="unknown mechanism"):
+        BenchConfig(mechanisms=["nope"])
+    with pytest.raises(ValueError, match="lengths"):
+        BenchConfig(lengths=[])
+    with pytest.raises(ValueError, match="unknown option"):
+        BenchConfig(options={"local": {"windw": 3}})
+
+
+def test_loglog_slope():
+    assert loglog_slope([1, 2, 4], [3, 12, 48]) == pytest.approx(2.0)
+    assert loglog_slope([8], [1.0]) is None
+
+
+def test_peaked_inputs_concentrate_attention():
+    shape = Shape(heads=1, head_dim=32, dtype="float64")
+    for family, low, high in (("gaussian", 0.0, 0.05), ("peaked", 0.3, 1.0)):
+        q, k, _ = make_inputs(shape, 256, family)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / 32**0.5, -1)
+        top = weights.max(-1).values.mean().item()
+        assert low <= top <= high, (family, top)
+
+
+@pytest.mark.parametrize("name", attnzoo.mechanisms())
+def test_flops_formula_matches_counted_matmuls(name):
+    spec = attnzoo.get(name)
+    B, H, L, D, Dv = 2, 3, 50, 8, 6
+    Lk = L if (name == "lsh" or not spec.capabilities.cross) else 61
+    for causal in ([False, True] if spec.capabilities.causal else [False]):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(B, H, L, D, generator=g)
+        k = torch.randn(B, H, Lk, D, generator=g)
+        v = torch.randn(B, H, Lk, Dv, generator=g)
+        with FlopCounterMode(display=False) as counter:
+            attnzoo.attention(q, k, v, mechanism=name, causal=causal, generator=g)
+        formula = spec.flops(B, H, L, Lk, D, Dv, causal, spec.options())
+        counted = counter.get_total_flops()
+        if name == "full" and causal:
+            # the counter charges the whole L×Lk; the formula counts only the visible pairs
+            counted = counted * sum(min(max(i + Lk - L + 1, 0), Lk) for i in range(L)) / (L * Lk)
+        elif name == "prob_sparse":  # M's sampled dot products are elementwise, not matmuls
+            u, U_part = sizes(L, Lk, 5)
+            counted += 2 * B * H * L * U_part * D
+        elif name == "log_sparse":  # elementwise: one score and one weighted value per offset
+            N = max(L, Lk)  # frame of the aligned positions
+            back = attnzoo.connectivity("log_sparse", length=N, causal=True).sum(-1).max().item()
+            offsets = back if causal else 2 * back - 1  # every query scores every offset
+            counted = 2 * B * H * N * offsets * (D + Dv)
+        assert formula == pytest.approx(counted), (name, causal)
+
+
+def test_cli_bench_runs(tmp_path, capsys):
+    code = main(["bench", "--mechanisms", "full,linear", "--lengths", "32,64", "--repeats", "1",
+                 "--heads", "1", "--head-dim", "8", "--threads", "1", "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "linear" in out and "results.json" in out
+    assert "Command: `attnzoo bench --mechanisms full,linear" in (tmp_path / "report.md").read_text()
