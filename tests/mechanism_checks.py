@@ -14,8 +14,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import attnzoo
+
+
+def cases(*, causal=True, cross=True, H=(1, 3), L=(1, 40), D=(1, 6), Dv=False, **options):
+    """Hypothesis strategy of check_against_reference's keyword arguments: random shapes
+    (odd lengths, Lq != Lk unless ``cross=False``, B and H > 1), masks, causality, and the
+    mechanism's options drawn from the strategies given as keywords."""
+    fields = {
+        "B": st.integers(1, 2), "H": st.integers(*H), "Lq": st.integers(*L), "D": st.integers(*D),
+        "masked": st.booleans(), "seed": st.integers(0, 999),
+        "causal": st.booleans() if causal else st.just(False),
+        "options": st.fixed_dictionaries(options),
+    }
+    if cross:
+        fields["Lk"] = st.integers(*L)
+    if Dv:
+        fields["Dv"] = st.integers(1, 6)
+    strategy = st.fixed_dictionaries(fields)
+    return strategy if cross else strategy.map(lambda case: {**case, "Lk": case["Lq"]})
 
 
 def random_inputs(B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, *, dtype=torch.float64, seed=0,

@@ -155,6 +155,70 @@ def cmd_patterns(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _slot_options(pairs: list[str]) -> dict[str, dict]:
+    """['enc.factor=3', 'dec.factor=2', 'cross.window=8'] -> {'enc': {'factor': 3}, ...}."""
+    slots: dict[str, dict] = {"enc": {}, "dec": {}, "cross": {}}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        slot, dot, option = key.partition(".")
+        if not sep or not dot or slot not in slots:
+            raise ValueError(f"--option takes enc|dec|cross.OPTION=VALUE, got {pair!r}")
+        slots[slot][option] = _parse_value(value)
+    return slots
+
+
+def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
+    import os
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from attnzoo.models import Callbacks, InformerConfig, TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    slots = _slot_options(args.option)
+    enc = args.enc_attn or args.attn
+    dec = args.dec_attn or args.attn
+    model = InformerConfig(seq_len=args.seq_len, label_len=args.label_len, pred_len=args.pred_len,
+                           d_model=args.d_model, n_heads=args.n_heads, e_layers=args.e_layers,
+                           d_layers=args.d_layers, d_ff=args.d_ff, dropout=args.dropout,
+                           distil=not args.no_distil, enc_attn=enc, dec_self_attn=dec,
+                           cross_attn=args.cross_attn, enc_options=slots["enc"],
+                           dec_self_options=slots["dec"], cross_options=slots["cross"], seed=args.seed)
+    cfg = TrainConfig(data=args.data or TrainConfig.data, target=args.target, features=args.features,
+                      model=model, batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
+                      patience=args.patience, seed=args.seed, max_steps=args.max_steps,
+                      max_rows=args.max_rows, out=args.out, resume=args.resume,
+                      stop_after_epochs=args.stop_after_epochs)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[note]}"))
+    with Progress(*columns, console=console, disable=not rank0) as progress:
+        epochs = progress.add_task("epochs", total=cfg.epochs, note="")
+        batches = progress.add_task("batches", total=1, note="")
+
+        def start(epoch, n):
+            progress.reset(batches, total=n, description=f"epoch {epoch + 1}", note="")
+
+        def batch(step, loss):
+            progress.update(batches, advance=1, note=f"loss {loss:.4f}")
+
+        def end(epoch, record):
+            progress.update(epochs, completed=record["epoch"],
+                            note=f"val mse {record['val_mse']:.4f}" + (" *" if record["improved"] else ""))
+
+        metrics = train(cfg, Callbacks(start, batch, end))
+    if rank0 and "test" in metrics:
+        console.print(f"[bold]test[/bold] MSE {metrics['test']['mse']:.4f}  MAE {metrics['test']['mae']:.4f} "
+                      f"(scaled space; best val MSE {metrics['best_val_mse']:.4f}, "
+                      f"{metrics['epochs_run']} epochs)")
+        console.print(f"wrote {args.out}/metrics.json, checkpoint.pt, best.pt, forecast.png")
+    elif rank0:
+        console.print(f"stopped after epoch {metrics['stopped_after_epoch']}; continue with --resume")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,6 +257,41 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a mechanism option, e.g. strided.stride=4 (repeatable)")
     p_pat.add_argument("--out", default="patterns", help="output folder")
     p_pat.set_defaults(run=cmd_patterns)
+
+    p_fc = sub.add_parser("forecast", help="train and test the Informer-style forecaster (ETTh1 default)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p_fc.add_argument("--data", default="", help="CSV with a date column (default: the shipped ETTh1)")
+    p_fc.add_argument("--target", default="OT")
+    p_fc.add_argument("--features", default="S", choices=["M", "S", "MS"])
+    p_fc.add_argument("--seq-len", type=int, default=96)
+    p_fc.add_argument("--label-len", type=int, default=48)
+    p_fc.add_argument("--pred-len", type=int, default=24)
+    p_fc.add_argument("--attn", default="prob_sparse", help="encoder and decoder self-attention")
+    p_fc.add_argument("--enc-attn", default="", help="encoder self-attention (overrides --attn)")
+    p_fc.add_argument("--dec-attn", default="", help="decoder causal self-attention (overrides --attn)")
+    p_fc.add_argument("--cross-attn", default="full", help="decoder cross-attention")
+    p_fc.add_argument("--option", action="append", default=[], metavar="SLOT.OPT=VALUE",
+                      help="a mechanism option for slot enc, dec or cross, e.g. enc.factor=3")
+    p_fc.add_argument("--d-model", type=int, default=512)
+    p_fc.add_argument("--n-heads", type=int, default=8)
+    p_fc.add_argument("--e-layers", type=int, default=2)
+    p_fc.add_argument("--d-layers", type=int, default=1)
+    p_fc.add_argument("--d-ff", type=int, default=2048)
+    p_fc.add_argument("--dropout", type=float, default=0.05)
+    p_fc.add_argument("--no-distil", action="store_true", help="no distilling layers in the encoder")
+    p_fc.add_argument("--batch-size", type=int, default=32, help="per process")
+    p_fc.add_argument("--lr", type=float, default=1e-4)
+    p_fc.add_argument("--epochs", type=int, default=6)
+    p_fc.add_argument("--patience", type=int, default=3)
+    p_fc.add_argument("--seed", type=int, default=0)
+    p_fc.add_argument("--max-steps", type=int, default=None, help="training batches per epoch")
+    p_fc.add_argument("--max-rows", type=int, default=None, help="use only the first rows")
+    p_fc.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p_fc.add_argument("--out", default="runs/forecast")
+    p_fc.add_argument("--resume", action="store_true", help="continue from out/checkpoint.pt")
+    p_fc.add_argument("--stop-after-epochs", type=int, default=None,
+                      help="stop after this many epochs, as if interrupted (then --resume)")
+    p_fc.set_defaults(run=cmd_forecast)
     return parser
 
 

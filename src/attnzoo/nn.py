@@ -3,7 +3,7 @@
 A mechanism whose layer needs more than the four linear projections declares a
 ``layer_options`` dataclass in its spec (log_sparse's convolution, lsh's shared
 query-key projection, linformer's E/F, performer's random features). Its
-``build(layer, options)`` adds or replaces modules once, and
+``build(layer)`` adds or replaces modules once, and the optional
 ``forward_options(layer, device)`` gives the extra functional options of a call.
 """
 
@@ -152,7 +152,8 @@ class MultiheadAttention(nn.Module):
         return self.out_proj(self.dropout(out))
 
     def _call_options(self, device) -> dict:
-        extra = {} if self.extra is None else self.extra.forward_options(self, device)
+        forward_options = getattr(self.extra, "forward_options", None)
+        extra = {} if forward_options is None else forward_options(self, device)
         return {**self.options, **extra}
 
     def forward(

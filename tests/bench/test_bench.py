@@ -112,3 +112,11 @@ def test_cli_bench_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "linear" in out and "results.json" in out
     assert "Command: `attnzoo bench --mechanisms full,linear" in (tmp_path / "report.md").read_text()
+
+
+def test_cells_past_the_timeout_are_skipped_with_the_reason():
+    config = BenchConfig(mechanisms=["full"], lengths=[32, 64], shape=Shape(heads=1, head_dim=8),
+                         repeats=1, threads=1, timeout_s=1e-9)
+    cells = run_sweep(config)["cells"]
+    assert [c["status"] for c in cells] == ["skipped", "skipped"]
+    assert "> timeout" in cells[0]["reason"] and "already exceeded" in cells[1]["reason"]

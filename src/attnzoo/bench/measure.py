@@ -136,10 +136,13 @@ def relative_error(name: str, shape: Shape, L: int, family: str, options: dict) 
 
 
 def measure_cell(name: str, L: int, shape: Shape, options: dict, *, repeats: int,
-                 error_max_len: int) -> dict:
-    """Everything the sweep records for one (mechanism, L)."""
+                 error_max_len: int, timeout_s: float = math.inf) -> dict:
+    """Everything the sweep records for one (mechanism, L); skipped if one call exceeds timeout_s."""
     q, k, v = make_inputs(shape, L, "gaussian")
     warm = timings(lambda: call(name, q, k, v, shape, options), 1)[0]
+    if warm > timeout_s:
+        return {"mechanism": name, "L": L, "status": "skipped", "warmup_s": warm,
+                "reason": f"one call took {warm:.0f} s > timeout {timeout_s:g} s"}
     memory = peak_memory(lambda: call(name, q, k, v, shape, options))
     times = timings(lambda: call(name, q, k, v, shape, options), repeats)
     spec = attnzoo.get(name)

@@ -37,7 +37,7 @@ class BenchConfig:
     shape: Shape = field(default_factory=Shape)
     repeats: int = 3  # timed calls per cell, after one warm-up and one memory call
     threads: int = field(default_factory=lambda: torch.get_num_threads())
-    timeout_s: float = 60.0  # a cell whose warm-up call takes longer ends the mechanism's sweep
+    timeout_s: float = 60.0  # a cell whose first call takes longer is skipped, and longer L too
     error_max_len: int = 8192  # error against full only up to this length (full is O(L²))
     mem_cap_gib: float = field(default_factory=_default_mem_cap_gib)  # address-space cap per child
     options: dict[str, dict] = field(default_factory=dict)  # per-mechanism options
@@ -92,7 +92,7 @@ def _run_child(name: str, config: BenchConfig, on_cell: Callable[[dict], None]) 
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
                      daemon=True).start()
     cells: list[dict] = []
-    per_cell_limit = config.timeout_s * (config.repeats + 6)
+    per_cell_limit = config.timeout_s * (config.repeats + 6) + 60  # a hung call: kill the child
     while len(cells) < len(config.lengths):
         try:
             line = lines.get(timeout=per_cell_limit)

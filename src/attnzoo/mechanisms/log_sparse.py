@@ -35,9 +35,6 @@ class LogSparseLayerOptions:
 
         causal_conv_projection(layer, self.kernel_size)
 
-    def forward_options(self, layer, device) -> dict:
-        return {}
-
 
 def _offsets(opts: LogSparseOptions, N: int) -> list[int]:
     """Backward distances a query attends to: 0..local-1, then local-1 + 1, 2, 4, ... below N."""

@@ -49,9 +49,6 @@ class LSHLayerOptions:
             layer.k_proj = None  # keys come from the query projection, normalised by the mechanism
             layer.options = {**layer.options, "shared_qk": True}
 
-    def forward_options(self, layer, device) -> dict:
-        return {}
-
 
 def n_buckets_for(L: int, opts: LSHOptions) -> int:
     """b: given, or the even number nearest L / bucket_size (at least 2)."""

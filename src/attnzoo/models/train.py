@@ -1,0 +1,263 @@
+"""Training, evaluation, checkpoints and distributed data parallelism for the forecaster.
+
+Library code: it reports progress through callbacks and raises on bad input; the CLI prints.
+
+- Adam, MSE loss, learning rate halved every epoch, early stopping on the validation
+  loss (Informer's recipe); test MSE and MAE in the scaled space, as the papers report.
+- A checkpoint (model, optimiser, scheduler, RNG states, epoch, early-stopping state) is
+  written atomically (temporary file, then ``os.replace``) after every epoch;
+  ``resume=True`` continues from it exactly. The data order of epoch e is a function
+  of (seed, e) alone (``DistributedSampler``), so it needs no saved state.
+- Under ``torchrun`` (WORLD_SIZE > 1) the model trains with DistributedDataParallel
+  (gloo on CPU, nccl on GPU), each rank a shard of every batch (``batch_size`` per
+  rank), rank 0 alone writing files. BatchNorm in the distilling layers becomes
+  SyncBatchNorm on GPU; on CPU, where torch has no SyncBatchNorm, each rank normalises
+  with its own batch statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from attnzoo.data import ETTH1, load_forecast_data
+from attnzoo.models.informer import Informer, InformerConfig
+
+
+@dataclass
+class TrainConfig:
+    data: str = str(ETTH1)
+    target: str = "OT"
+    features: str = "S"  # M, S or MS
+    model: InformerConfig = field(default_factory=InformerConfig)
+    batch_size: int = 32  # per process
+    lr: float = 1e-4
+    epochs: int = 6
+    patience: int = 3  # epochs without a better validation loss before stopping
+    seed: int = 0
+    max_steps: int | None = None  # training batches per epoch (None = all); for smoke runs
+    max_rows: int | None = None  # use only the first rows of the file
+    out: str = "runs/forecast"
+    resume: bool = False
+    stop_after_epochs: int | None = None  # stop (as if interrupted) after this many epochs
+    plot_windows: int = 4  # test windows drawn in forecast.png
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.epochs < 1 or self.patience < 1 or self.lr <= 0:
+            raise ValueError("batch_size, epochs and patience must be >= 1 and lr > 0")
+
+
+@dataclass
+class Callbacks:
+    """Progress hooks (the CLI draws bars with them)."""
+
+    on_epoch_start: Callable[[int, int], None] = lambda epoch, n_batches: None
+    on_batch: Callable[[int, float], None] = lambda step, loss: None
+    on_epoch_end: Callable[[int, dict], None] = lambda epoch, record: None
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size), starting the process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _device(rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _model_config(cfg: TrainConfig, data) -> InformerConfig:
+    model = dataclasses.replace(cfg.model, enc_in=len(data.columns_in), dec_in=len(data.columns_in),
+                                c_out=len(data.columns_out), seq_len=data.train.seq_len,
+                                label_len=data.train.label_len, pred_len=data.train.pred_len)
+    if model.enc_attn == "linformer" and "max_len" not in model.enc_options:
+        model.enc_options = {**model.enc_options, "max_len": model.seq_len}
+    if model.cross_attn == "linformer" and "max_len" not in model.cross_options:
+        model.cross_options = {**model.cross_options, "max_len": model.seq_len}
+    return model
+
+
+def _batches(model, batch, device):
+    x_enc, mark_enc, x_dec, mark_dec, y = (t.to(device) for t in batch)
+    return model(x_enc, mark_enc, x_dec, mark_dec), y
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device) -> dict:
+    """MSE and MAE over every window of a loader, in the scaled space."""
+    model.eval()
+    se = ae = count = 0.0
+    for batch in loader:
+        pred, y = _batches(model, batch, device)
+        se += ((pred - y) ** 2).sum().item()
+        ae += (pred - y).abs().sum().item()
+        count += y.numel()
+    return {"mse": se / count, "mae": ae / count}
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_atomic(obj, path: Path) -> None:
+    """torch.save to a temporary file beside ``path``, then rename: never a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _bare(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
+    """Train, early-stop, test; returns the metrics (also written to ``out/metrics.json``)."""
+    callbacks = callbacks or Callbacks()
+    rank, world = _distributed()
+    device = _device(rank)
+    out = Path(cfg.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    data = load_forecast_data(cfg.data, target=cfg.target, features=cfg.features,
+                              seq_len=cfg.model.seq_len, label_len=cfg.model.label_len,
+                              pred_len=cfg.model.pred_len, max_rows=cfg.max_rows)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    model_cfg = _model_config(cfg, data)
+    model = Informer(model_cfg).to(device)
+    if world > 1:
+        if device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        device_ids = [device] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    optimiser = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda epoch: 0.5**epoch)
+    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
+    val_loader = DataLoader(data.val, batch_size=cfg.batch_size)
+    test_loader = DataLoader(data.test, batch_size=cfg.batch_size)
+    state = {"epoch": 0, "best_val": math.inf, "bad_epochs": 0, "history": []}
+    checkpoint_path, best_path = out / "checkpoint.pt", out / "best.pt"
+    if cfg.resume:
+        if not checkpoint_path.exists():
+            raise ValueError(f"--resume: no checkpoint at {checkpoint_path}")
+        ckpt = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        _bare(model).load_state_dict(ckpt["model"])
+        optimiser.load_state_dict(ckpt["optimiser"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        _set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0])
+        state = ckpt["state"]
+    n_batches = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
+    while state["epoch"] < cfg.epochs and state["bad_epochs"] < cfg.patience:
+        epoch = state["epoch"]
+        sampler.set_epoch(epoch)
+        model.train()
+        callbacks.on_epoch_start(epoch, n_batches)
+        total = 0.0
+        for step, batch in enumerate(train_loader):
+            if step >= n_batches:
+                break
+            pred, y = _batches(model, batch, device)
+            loss = nn.functional.mse_loss(pred, y)
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            total += loss.item()
+            callbacks.on_batch(step, loss.item())
+        scheduler.step()
+        val = evaluate(model, val_loader, device)["mse"]
+        improved = val < state["best_val"]
+        state["best_val"] = min(val, state["best_val"])
+        state["bad_epochs"] = 0 if improved else state["bad_epochs"] + 1
+        state["epoch"] = epoch + 1
+        record = {"epoch": epoch + 1, "train_loss": total / max(n_batches, 1), "val_mse": val,
+                  "lr": optimiser.param_groups[0]["lr"], "improved": improved}
+        state["history"].append(record)
+        rng = [None] * world
+        if world > 1:
+            dist.all_gather_object(rng, _rng_state())
+        else:
+            rng = [_rng_state()]
+        if rank == 0:
+            if improved:
+                save_atomic(_bare(model).state_dict(), best_path)
+            save_atomic({"model": _bare(model).state_dict(), "optimiser": optimiser.state_dict(),
+                         "scheduler": scheduler.state_dict(), "rng": rng, "state": state,
+                         "config": dataclasses.asdict(cfg)}, checkpoint_path)
+        if world > 1:
+            dist.barrier()
+        callbacks.on_epoch_end(epoch, record)
+        if cfg.stop_after_epochs is not None and epoch + 1 >= cfg.stop_after_epochs:
+            return {"stopped_after_epoch": epoch + 1, "history": state["history"]}
+    _bare(model).load_state_dict(torch.load(best_path, map_location=device, weights_only=True))
+    metrics = {"test": evaluate(model, test_loader, device), "best_val_mse": state["best_val"],
+               "epochs_run": state["epoch"], "history": state["history"],
+               "model": dataclasses.asdict(model_cfg), "data": cfg.data, "target": cfg.target,
+               "features": cfg.features, "world_size": world, "seed": cfg.seed}
+    if rank == 0:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        plot_forecasts(_bare(model), data, device, out / "forecast.png", cfg.plot_windows)
+    if world > 1:
+        dist.barrier()
+    return metrics
+
+
+@torch.no_grad()
+def plot_forecasts(model: nn.Module, data, device, path: Path, n_windows: int) -> None:
+    """Forecast against truth (original units) for a few windows spread over the test split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model.eval()
+    n = len(data.test)
+    picks = [int(i * (n - 1) / max(n_windows - 1, 1)) for i in range(n_windows)]
+    col = len(data.columns_out) - 1  # the target: the only output in S and MS, the last column in M
+    name = data.columns_out[col]
+    c_in = data.columns_in.index(name)
+    mean, std = data.scaler.mean[c_in].item(), data.scaler.std[c_in].item()
+    fig, axes = plt.subplots(1, n_windows, figsize=(4 * n_windows, 3.2), squeeze=False)
+    for ax, i in zip(axes[0], picks, strict=True):
+        x_enc, mark_enc, x_dec, mark_dec, y = (t.unsqueeze(0).to(device) for t in data.test[i])
+        pred = model(x_enc, mark_enc, x_dec, mark_dec)[0, :, col].cpu() * std + mean
+        history = x_enc[0, :, c_in].cpu() * std + mean
+        truth = y[0, :, col].cpu() * std + mean
+        L, P = history.shape[0], truth.shape[0]
+        ax.plot(range(L), history, color="gray", label="history")
+        ax.plot(range(L, L + P), truth, color="black", label="truth")
+        ax.plot(range(L, L + P), pred, color="tab:red", label="forecast")
+        ax.set_title(f"test window {i}", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel(name)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{name}: forecast against truth on test windows (original units)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,119 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnzoo.cli import main
+from attnzoo.models import Informer, InformerConfig, TrainConfig, train
+
+TINY = dict(d_model=16, n_heads=2, e_layers=2, d_layers=1, d_ff=32, seq_len=24, label_len=12,
+            pred_len=6)
+
+
+def _csv(tmp_path: Path) -> Path:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
+    from test_timeseries import write_csv
+
+    return write_csv(tmp_path / "series.csv", n=400)
+
+
+@pytest.mark.parametrize("enc,dec", [("prob_sparse", "prob_sparse"), ("log_sparse", "log_sparse"),
+                                     ("lsh", "lsh"), ("linear", "linear"), ("full", "full"),
+                                     ("nystrom", "full")])
+def test_informer_shapes_and_gradients(enc, dec):
+    cfg = InformerConfig(**TINY, enc_attn=enc, dec_self_attn=dec)
+    model = Informer(cfg)
+    B = 3
+    out = model(torch.randn(B, 24, 1), torch.rand(B, 24, 4) - 0.5, torch.randn(B, 18, 1),
+                torch.rand(B, 18, 4) - 0.5)
+    assert out.shape == (B, 6, 1)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_decoder_does_not_see_future_placeholders_change():
+    # The decoder's causal self-attention: outputs at step t ignore decoder inputs after t + 1
+    # (Informer's value embedding is a kernel-3 conv with circular padding, so input t + 1 feeds
+    # step t, and the last step wraps to the first: we leave the last input alone. The inputs
+    # after the label part are zero placeholders, so in use nothing of the future leaks.)
+    torch.manual_seed(0)
+    model = Informer(InformerConfig(**TINY, enc_attn="full", dec_self_attn="full")).eval()
+    x_enc, m_enc = torch.randn(1, 24, 1), torch.rand(1, 24, 4)
+    x_dec, m_dec = torch.randn(1, 18, 1), torch.rand(1, 18, 4)
+    a = model(x_enc, m_enc, x_dec, m_dec)
+    x_dec2 = x_dec.clone()
+    x_dec2[:, 15:17] += 1.0
+    b = model(x_enc, m_enc, x_dec2, m_dec)
+    torch.testing.assert_close(a[:, :2], b[:, :2])  # output steps 12, 13 come before input 15
+    assert not torch.allclose(a[:, 4:], b[:, 4:])
+
+
+def _cfg(tmp_path, out, **kw):
+    model = InformerConfig(**TINY, dropout=kw.pop("dropout", 0.1), distil=kw.pop("distil", True),
+                           enc_attn=kw.pop("attn", "prob_sparse"), dec_self_attn="prob_sparse")
+    return TrainConfig(data=str(_csv(tmp_path)), model=model, batch_size=8, epochs=2, max_steps=5,
+                       out=str(tmp_path / out), **kw)
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = train(_cfg(tmp_path, "a"))
+    stopped = train(_cfg(tmp_path, "b", stop_after_epochs=1))
+    assert stopped["stopped_after_epoch"] == 1
+    resumed = train(_cfg(tmp_path, "b", resume=True))
+    wa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        if isinstance(wa[name], torch.Tensor):
+            assert torch.equal(wa[name], wb[name]), name
+    assert straight["test"] == resumed["test"]
+    for f in ("metrics.json", "best.pt", "forecast.png"):
+        assert (tmp_path / "b" / f).exists()
+    assert not list((tmp_path / "b").glob("*.tmp"))
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train(_cfg(tmp_path, "none", resume=True))
+
+
+def test_cli_smoke_on_shipped_etth1(tmp_path, capsys):
+    code = main(["forecast", "--d-model", "16", "--n-heads", "2", "--d-ff", "32", "--seq-len", "48",
+                 "--label-len", "24", "--pred-len", "12", "--epochs", "1", "--max-steps", "3",
+                 "--batch-size", "16", "--out", str(tmp_path / "run")])
+    assert code == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["test"]["mse"] > 0 and metrics["model"]["enc_attn"] == "prob_sparse"
+    assert "test" in capsys.readouterr().out
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    csv = _csv(tmp_path)
+    common = ["forecast", "--data", str(csv), "--d-model", "16", "--n-heads", "2", "--d-ff", "32",
+              "--seq-len", "24", "--label-len", "12", "--pred-len", "6", "--epochs", "1",
+              "--max-steps", "1", "--dropout", "0", "--no-distil", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "attnzoo", *common,
+                    "--batch-size", "4", "--out", str(tmp_path / "ddp")], check=True, env=env,
+                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "attnzoo", *common, "--batch-size", "8",
+                    "--out", str(tmp_path / "one")], check=True, env=env, capture_output=True)
+    w2 = torch.load(tmp_path / "ddp" / "checkpoint.pt", weights_only=False)["model"]
+    w1 = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    torch.manual_seed(0)  # the trainer's seed: the same initial weights
+    init = Informer(InformerConfig(**TINY, dropout=0.0, distil=False)).state_dict()
+    moved = 0
+    for name, t in w1.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            # Adam's first step moves each weight by about lr = 1e-4 times the sign of its gradient;
+            # a key bias has an exactly zero gradient up to rounding (softmax ignores a shift shared
+            # by all keys), whose sign is noise. 1e-5 = lr / 10 separates agreement from that.
+            torch.testing.assert_close(w2[name], t, atol=1e-5, rtol=0, msg=name)
+            assert (t - init[name]).abs().max() <= 1.01e-4, name  # one step, not more
+            moved += int((t - init[name]).abs().max() > 5e-5)
+    assert moved > 10  # the step really changed the weights
