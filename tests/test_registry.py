@@ -78,3 +78,25 @@ def test_connectivity_of_full_is_dense_or_causal():
                                torch.ones(3, 3, dtype=torch.bool).tril())
     with pytest.raises(ValueError, match="length"):
         attnzoo.connectivity("full", length=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", attnzoo.mechanisms())
+def test_low_precision_error_is_a_small_multiple_of_fulls(name, dtype):
+    # Tolerance as in PyTorch's flex-attention tests: a multiple of what full attention itself
+    # loses in that dtype against the float64 result, not a magic number.
+    spec = attnzoo.get(name)
+    causal = spec.capabilities.causal
+    q, k, v, _ = random_inputs(B=2, H=2, Lq=37, Lk=37, D=16, seed=3)
+    k = q if name == "lsh" else k  # a shared-QK-like input keeps LSH buckets meaningful
+
+    def rel_err(mech, dt):
+        run = lambda q, k, v: attnzoo.attention(q, k, v, mechanism=mech, causal=causal,  # noqa: E731
+                                                generator=torch.Generator().manual_seed(1))
+        low = [t.to(dt) for t in (q, k, v)]
+        gold = run(*(t.double() for t in low))  # the same (rounded) inputs: decisions agree
+        out = run(*low)
+        assert out.dtype == dt and torch.isfinite(out).all()
+        return ((out.double() - gold).norm() / gold.norm()).item()
+
+    assert rel_err(name, dtype) <= 5 * rel_err("full", dtype) + 1e-6

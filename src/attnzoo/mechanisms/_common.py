@@ -20,11 +20,18 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """float16 / bfloat16 up to float32 (softmax and its sums accumulate there); others as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def partial_softmax(scores: torch.Tensor, valid: torch.Tensor | None, v: torch.Tensor):
     """Softmax of ``scores (..., R, n)`` over the ``valid`` keys, applied to ``v (..., n, Dv)``.
 
-    Returns ``(o (..., R, Dv), lse (..., R))``; rows with no valid key give o = 0, lse = -inf.
+    Returns ``(o (..., R, Dv), lse (..., R))``, in float32 for half-precision inputs; rows
+    with no valid key give o = 0, lse = -inf.
     """
+    scores, v = wide(scores), wide(v)
     if valid is not None:
         scores = scores.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (..., 1)

@@ -62,6 +62,7 @@ def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     if rotations.shape[-1] == 0:  # one bucket
         return torch.zeros(*x.shape[:2], rotations.shape[0], x.shape[2], dtype=torch.long,
                            device=x.device)
+    x = x if x.dtype == torch.float64 else x.float()  # hash in >= float32: half precision flips buckets
     rotated = torch.einsum("bhld,rdc->bhrlc", x, rotations.to(x.dtype))  # (B, H, n_hashes, L, b/2)
     return torch.cat([rotated, -rotated], -1).argmax(-1)
 
@@ -156,7 +157,7 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
         o, lse = partial_softmax(scores, valid, v_win)  # (B, H, nc, m, Dv), (B, H, nc, m)
         back = q_order[:, :, r].argsort(-1)  # unsort: sorted slot of each position
         parts.append((_take(o.reshape(B, H, Lp, -1), back), _take_int(lse.reshape(B, H, Lp), back)))
-    return merge_partials(parts)[0]
+    return merge_partials(parts)[0].to(q.dtype)
 
 
 def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,8 @@ def _active_queries(q, k, opts, *, causal, key_mask, generator):
     index, seen = sample_keys(Lq, Lk, U_part, causal=causal, key_mask=key_mask, generator=generator,
                               device=q.device)
     with torch.no_grad():
-        M = _sampled_measure(q.detach(), k.detach(), index, Lk, opts)
+        wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # rank M in >= float32
+        M = _sampled_measure(q.detach().to(wide), k.detach().to(wide), index, Lk, opts)
         M = M.masked_fill((seen == 0)[:, None], float("-inf"))
     return M.topk(u, dim=-1, sorted=False).indices  # (B, H, u)
 
@@ -160,7 +161,7 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
             valid = valid & key_mask[:, None, None, :]
     active_out, _ = partial_softmax(scores, valid, v)  # (B, H, u, Dv)
     out = lazy_values(v, causal=causal, key_mask=key_mask, Lq=Lq, variant=opts.variant)
-    return out.scatter(2, top[..., None].expand(-1, -1, -1, v.shape[-1]), active_out)
+    return out.scatter(2, top[..., None].expand(-1, -1, -1, v.shape[-1]), active_out.to(out.dtype))
 
 
 def prob_sparse_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:

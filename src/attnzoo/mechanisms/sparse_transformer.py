@@ -155,13 +155,13 @@ def _combine(q, k, v, opts, part_a1, part_a2):
     ``part_a1(q, k, v)`` and ``part_a2(q, k, v, include_a1_overlap)`` return partials.
     """
     if opts.heads == "union":
-        return merge_partials([part_a1(q, k, v), part_a2(q, k, v, False)])[0]
+        return merge_partials([part_a1(q, k, v), part_a2(q, k, v, False)])[0].to(q.dtype)
     if q.shape[1] < 2:
         raise ValueError("heads='split' needs at least 2 heads (even heads A1, odd heads A2)")
     even, odd = slice(0, None, 2), slice(1, None, 2)
     out_a1 = part_a1(q[:, even], k[:, even], v[:, even])[0]  # (B, ceil(H/2), L, Dv)
     out_a2 = part_a2(q[:, odd], k[:, odd], v[:, odd], True)[0]  # (B, floor(H/2), L, Dv)
-    out = out_a1.new_empty(*q.shape[:3], v.shape[-1])
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
     out[:, even], out[:, odd] = out_a1, out_a2
     return out
 
