@@ -237,7 +237,8 @@ def connectivity(
 ) -> torch.Tensor:
     """Which keys each query may attend to, as a bool mask (True = attends).
 
-    Pattern mechanisms (fixed sparsity) take ``length`` and return ``(L, L)``.
+    Pattern mechanisms (fixed sparsity) take ``length`` and return ``(L, L)``; with
+    ``heads="split"`` strided and fixed return ``(2, L, L)``: A1 (even heads), A2 (odd).
     Data-dependent ones (prob_sparse, lsh) take ``q`` and ``k`` and return
     ``(B, H, Lq, Lk)``. Mechanisms with no sparsity pattern (full, the kernel
     and low-rank ones) return the dense causal / full mask of ``length``.
