@@ -108,6 +108,7 @@ class MultiheadAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
         self._generator: torch.Generator | None = None
+        self._saved_generator: dict | None = None  # from load_state_dict, applied on first use
         self.extra = self.spec.layer_options(**layer_opts) if self.spec.layer_options else None
         if self.extra is not None:
             self.extra.build(self)
@@ -120,6 +121,9 @@ class MultiheadAttention(nn.Module):
         device = torch.device(device)
         if self._generator is None or self._generator.device.type != device.type:
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            saved = self._saved_generator
+            if saved is not None and saved["device"] == device.type:  # continue a loaded state
+                self._generator.set_state(saved["state"])
         return self._generator
 
     def redraw(self) -> None:
@@ -188,13 +192,17 @@ class MultiheadAttention(nn.Module):
         return self._merge(out), state
 
     def get_extra_state(self) -> dict:
+        """The generator's state, so that a reloaded layer draws what the saved one would have."""
         gen = self._generator
-        return {"generator": None if gen is None else gen.get_state()}
+        if gen is None:
+            return {"generator": self._saved_generator}
+        return {"generator": {"device": gen.device.type, "state": gen.get_state()}}
 
     def set_extra_state(self, state: dict) -> None:
-        if state.get("generator") is not None:
-            self._generator = torch.Generator().manual_seed(self.seed)
-            self._generator.set_state(state["generator"])
+        # Applied when the generator is next made, on the device of the input then (a state
+        # saved on one device type does not carry over to another: that one starts from seed).
+        self._saved_generator = state.get("generator")
+        self._generator = None
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, mechanism={self.mechanism!r}, "

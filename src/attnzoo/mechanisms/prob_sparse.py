@@ -184,7 +184,7 @@ def prob_sparse_reference(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     sampled = torch.gather(scores.detach() / s, 3, index[:, None].expand(B, H, Lq, U_part))
     M = sparsity_measure(sampled, Lk, opts.variant)
     M = M.masked_fill(~mask.any(-1), float("-inf"))
-    active = torch.zeros(B, H, Lq, dtype=torch.bool)
+    active = torch.zeros(B, H, Lq, dtype=torch.bool, device=q.device)
     active.scatter_(2, M.topk(u, dim=-1).indices, True)
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
     uniform = mask.to(q.dtype)
