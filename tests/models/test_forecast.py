@@ -76,9 +76,12 @@ def test_resume_continues_exactly(tmp_path):
     assert not list((tmp_path / "b").glob("*.tmp"))
 
 
-def test_resume_without_checkpoint_is_refused(tmp_path):
+def test_resume_without_checkpoint_or_with_other_options_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint"):
         train(_cfg(tmp_path, "none", resume=True))
+    train(_cfg(tmp_path, "c", stop_after_epochs=1))
+    with pytest.raises(ValueError, match="different run .*lr: saved 0.0001, now 0.001"):
+        train(_cfg(tmp_path, "c", resume=True, lr=1e-3))
 
 
 def test_cli_smoke_on_shipped_etth1(tmp_path, capsys):

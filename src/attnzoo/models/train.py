@@ -132,6 +132,18 @@ def save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+# What may change between an interrupted run and its resumption.
+_RESUMABLE = {"resume", "stop_after_epochs", "epochs", "patience", "plot_windows"}
+
+
+def _check_same_run(saved: dict, now: dict) -> None:
+    differ = sorted(key for key in now if key not in _RESUMABLE and saved.get(key) != now[key])
+    if differ:
+        detail = "; ".join(f"{key}: saved {saved.get(key)!r}, now {now[key]!r}" for key in differ)
+        raise ValueError(f"--resume: the checkpoint is of a different run ({detail}); pass the "
+                         f"options of the interrupted run")
+
+
 def _bare(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
@@ -168,6 +180,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         if not checkpoint_path.exists():
             raise ValueError(f"--resume: no checkpoint at {checkpoint_path}")
         ckpt = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        _check_same_run(ckpt["config"], dataclasses.asdict(cfg))
         _bare(model).load_state_dict(ckpt["model"])
         optimiser.load_state_dict(ckpt["optimiser"])
         scheduler.load_state_dict(ckpt["scheduler"])
