@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
+from attnzoo.mechanisms import sparse_transformer
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck
 
@@ -23,6 +24,13 @@ def test_strided_matches_reference(case):
 @given(factorized_cases(c=st.just(None) | st.integers(1, 1)))
 def test_fixed_matches_reference(case):
     check_against_reference("fixed", **case)
+
+
+def test_fixed_in_query_chunks(monkeypatch):
+    monkeypatch.setattr(sparse_transformer, "A2_SCORES_PER_CHUNK", 16)  # chunks of 2-3 rows
+    for causal in (False, True):
+        check_against_reference("fixed", Lq=21, Lk=23, causal=causal, masked=True,
+                                options={"stride": 4, "c": 2})
 
 
 def test_fixed_with_larger_c():

@@ -125,28 +125,38 @@ def _fixed_a1(q, k, v, key_valid, l, causal, scale):
     return window_partial(q, k, v, key_valid, block=l, left=0, right=0, allowed=allowed, scale=scale)
 
 
-def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
-    """Partial over the last c cells of every block: O(L·c·L/l·D) time, O(L·c·L/l) memory.
+A2_SCORES_PER_CHUNK = 2**20  # fixed's A2: scores per (batch, head) computed at a time
 
-    Union mode excludes i's own block (A1 has it); split mode keeps it.
+
+def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
+    """Partial over the last c cells of every block: O(L·c·L/l·D) time.
+
+    Union mode excludes i's own block (A1 has it); split mode keeps it. Queries go in
+    chunks of A2_SCORES_PER_CHUNK / (c·L/l) rows, so a forward's temporaries stay O(2^20) per
+    (batch, head) rather than O(L·c·L/l) (autograd still keeps each chunk's weights).
     """
     B, H, L, D = q.shape
     m = -(-L // l)
     Lp = m * l
     k_sum = pad_to(k, Lp).view(B, H, m, l, D)[:, :, :, l - c:].reshape(B, H, m * c, D)
     v_sum = pad_to(v, Lp).view(B, H, m, l, -1)[:, :, :, l - c:].reshape(B, H, m * c, -1)
-    scores = (q @ k_sum.transpose(-1, -2)) * scale  # (B, H, L, m·c)
     pos_j = (torch.arange(m, device=q.device)[:, None] * l + l - c
              + torch.arange(c, device=q.device)).reshape(-1)  # (m·c,)
-    pos_i = torch.arange(L, device=q.device)[:, None]
-    same_block = (pos_j // l) == (pos_i // l)  # (L, m·c)
-    valid = (pos_j < L) & ((pos_j <= pos_i) if causal else True)
-    if not include_own_block:
-        valid = valid & ~same_block
+    key_ok = pos_j < L
     if key_valid is not None:
         kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l)[:, :, l - c:].reshape(B, 1, 1, -1)
-        valid = valid & kv  # (B, 1, L, m·c)
-    return partial_softmax(scores, valid, v_sum)
+        key_ok = key_ok & kv  # (B, 1, 1, m·c)
+    rows = max(1, A2_SCORES_PER_CHUNK // (m * c))
+    parts = []
+    for start in range(0, L, rows):
+        q_rows = q[:, :, start:start + rows]
+        scores = (q_rows @ k_sum.transpose(-1, -2)) * scale  # (B, H, rows, m·c)
+        pos_i = torch.arange(start, start + q_rows.shape[2], device=q.device)[:, None]
+        valid = key_ok & ((pos_j <= pos_i) if causal else True)
+        if not include_own_block:
+            valid = valid & ((pos_j // l) != (pos_i // l))  # (rows, m·c)
+        parts.append(partial_softmax(scores, valid, v_sum))
+    return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
 
 
 def _combine(q, k, v, opts, part_a1, part_a2):
@@ -191,8 +201,8 @@ def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None
     A2 = the last c cells of every block.
 
     Shapes as :func:`strided_attention`. Cost O(L·(l + c·L/l)·D) time and
-    O(L·(l + c·L/l)) memory: A1 as attention within each block, A2 as attention to
-    the c·L/l summary cells. Child et al., 2019.
+    O(L·l + 2^20) forward memory per (batch, head): A1 as attention within each block,
+    A2 as attention to the c·L/l summary cells, by chunks of queries. Child et al., 2019.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
     l, s = _stride(opts, q.shape[2]), softmax_scale(q, scale)
