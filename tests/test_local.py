@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
+from attnzoo.mechanisms import _common
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck
 
@@ -14,6 +15,13 @@ local_cases = cases(window=st.integers(1, 12), block=st.none() | st.integers(1, 
 @given(local_cases)
 def test_local_matches_reference(case):
     check_against_reference("local", **case)
+
+
+def test_local_in_groups_of_query_blocks(monkeypatch):
+    monkeypatch.setattr(_common, "SCORES_PER_CHUNK", 20)  # one or two query blocks at a time
+    for causal in (False, True):
+        check_against_reference("local", Lq=19, Lk=23, causal=causal, masked=True,
+                                options={"window": 5, "block": 3})
 
 
 def test_local_window_covering_everything_equals_full():

@@ -60,14 +60,18 @@ def pad_to(t: torch.Tensor, length: int, dim: int = 2, front: int = 0, value=0.0
     return F.pad(t, pad, value=value)
 
 
+SCORES_PER_CHUNK = 2**20  # banded attention: scores per (batch, head) computed at a time
+
+
 def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     """Blocked windowed attention: query block b of ``block`` rows sees keys
     [b·block − left, (b+1)·block + right), further restricted by ``allowed(i, j)``.
 
     q (B, H, L, D), k (B, H, L, D), v (B, H, L, Dv), key_valid (B, L) bool or None.
     ``allowed`` takes broadcastable int tensors of query and key positions and
-    returns a bool tensor. Cost O(L·(block + left + right)·D), no L×L tensor.
-    Returns the partial ``(o (B, H, L, Dv), lse (B, H, L))``.
+    returns a bool tensor. Cost O(L·(block + left + right)·D), no L×L tensor; query
+    blocks go in groups of about SCORES_PER_CHUNK scores per (batch, head), so a
+    forward's temporaries stay that small. Returns ``(o (B, H, L, Dv), lse (B, H, L))``.
     """
     B, H, L, D = q.shape
     nb = -(-L // block)
@@ -75,17 +79,24 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     q_blk = pad_to(q, Lp).view(B, H, nb, block, D)  # (B, H, nb, block, D)
     k_win = pad_to(k, Lp + left + right, front=left).unfold(2, span, block)  # (B, H, nb, D, span)
     v_win = pad_to(v, Lp + left + right, front=left).unfold(2, span, block)  # (B, H, nb, Dv, span)
-    scores = (q_blk @ k_win) * scale  # (B, H, nb, block, span)
-    i = torch.arange(Lp, device=q.device).view(nb, block, 1)  # query positions
-    j = (torch.arange(nb, device=q.device) * block - left).view(nb, 1, 1) + torch.arange(
-        span, device=q.device
-    )  # (nb, 1, span) key positions
-    valid = allowed(i, j) & (j >= 0) & (j < L)  # (nb, block, span)
+    kv = None
     if key_valid is not None:
-        kv = pad_to(key_valid, Lp + left + right, dim=1, front=left, value=False)
-        valid = valid & kv.unfold(1, span, block)[:, None, :, None, :]  # (B, 1, nb, block, span)
-    o, lse = partial_softmax(scores, valid, v_win.transpose(-1, -2))
-    return o.reshape(B, H, Lp, -1)[:, :, :L], lse.reshape(B, H, Lp)[:, :, :L]
+        kv = pad_to(key_valid, Lp + left + right, dim=1, front=left, value=False).unfold(1, span, block)
+    group = max(1, SCORES_PER_CHUNK // (block * span))  # query blocks at a time
+    parts = []
+    for g in range(0, nb, group):
+        blocks = slice(g, min(g + group, nb))
+        scores = (q_blk[:, :, blocks] @ k_win[:, :, blocks]) * scale  # (B, H, n, block, span)
+        b = torch.arange(blocks.start, blocks.stop, device=q.device).view(-1, 1, 1)
+        i = b * block + torch.arange(block, device=q.device).view(1, block, 1)  # query positions
+        j = b * block - left + torch.arange(span, device=q.device)  # (n, 1, span) key positions
+        valid = allowed(i, j) & (j >= 0) & (j < L)  # (n, block, span)
+        if kv is not None:
+            valid = valid & kv[:, None, blocks, None, :]  # (B, 1, n, block, span)
+        parts.append(partial_softmax(scores, valid, v_win[:, :, blocks].transpose(-1, -2)))
+    o = torch.cat([o for o, _ in parts], 2).reshape(B, H, Lp, -1)[:, :, :L]
+    lse = torch.cat([lse for _, lse in parts], 2).reshape(B, H, Lp)[:, :, :L]
+    return o, lse
 
 
 def window_flops(N: int, *, block: int, left: int, right: int, D: int, Dv: int) -> float:
