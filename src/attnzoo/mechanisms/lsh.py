@@ -118,12 +118,8 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     nc = -(-L // m)
     Lp = nc * m
     q_buckets, k_buckets, q_order, k_order = _buckets_and_order(q, keys, opts, generator)
-    # Where each position lands in every round, packed as chunk·b + bucket (int32): a query
-    # and a key meet in round t iff the key's code is the query's, or the query's minus b
-    # (the chunk before, same bucket). Padding slots get codes that never meet.
-    step = 1 if opts.attend_across_buckets else n_buckets_for(L, opts)
-    q_code = _codes(q_order, q_buckets, m, step, pad=-(2**30))  # (B, H, L + 1, n_hashes)
-    k_code = _codes(k_order, k_buckets, m, step, pad=-(2**29))
+    q_chunk = q_order.argsort(-1) // m  # (B, H, n_hashes, L): each query's chunk, by position
+    k_chunk = k_order.argsort(-1) // m
     s = softmax_scale(q, scale)
 
     def window(t, pad=0):  # (B, H, Lp, X) sorted -> (B, H, nc, 2m, X): the chunk before, then the chunk
@@ -133,50 +129,35 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     parts = []
     for r in range(opts.n_hashes):
         qi = pad_to(q_order[:, :, r], Lp, dim=2, value=-1)  # (B, H, Lp) query positions, -1 = pad
-        kj = window(pad_to(k_order[:, :, r], Lp, dim=2, value=-1)[..., None], pad=-1)[..., 0]
+        kj = pad_to(k_order[:, :, r], Lp, dim=2, value=-1)
         q_sorted = _take(q, qi).view(B, H, nc, m, D)
-        k_win = _take(keys, kj.flatten(2)).view(B, H, nc, 2 * m, D)
-        v_win = _take(v, kj.flatten(2)).view(B, H, nc, 2 * m, -1)
-        scores = (q_sorted @ k_win.transpose(-1, -2)) * s  # (B, H, nc, m, 2m)
-        qc = _take_code(q_code, qi).view(B, H, nc, m, 1, -1)  # (B, H, nc, m, 1, n_hashes)
-        kc = _take_code(k_code, kj.flatten(2)).view(B, H, nc, 1, 2 * m, -1)
-        met = torch.zeros(scores.shape, dtype=torch.uint8, device=q.device)
-        for t in range(opts.n_hashes):
-            d = qc[..., t] - kc[..., t]  # (B, H, nc, m, 2m)
-            meets = (d == 0) | (d == step)
-            met += meets
-            if t == r:
-                valid = meets  # met in this round: same or previous chunk (and same bucket)
+        k_win = window(_take(keys, kj))  # (B, H, nc, 2m, D)
+        v_win = window(_take(v, kj))  # (B, H, nc, 2m, Dv)
         i = qi.view(B, H, nc, m, 1)
-        j = kj.view(B, H, nc, 1, 2 * m)
+        j = window(kj[..., None], pad=-1).view(B, H, nc, 1, 2 * m)  # chunk 0 has none before it
+        scores = (q_sorted @ k_win.transpose(-1, -2)) * s  # (B, H, nc, m, 2m)
+        valid = (i >= 0) & (j >= 0)
+        if not opts.attend_across_buckets:
+            valid = valid & (_take_int(q_buckets[:, :, r], i) == _take_int(k_buckets[:, :, r], j))
         if causal:
             valid = valid & (j <= i)
         if key_mask is not None:
             valid = valid & _take_int(key_mask[:, None].expand(B, H, L), j)
-        if opts.n_hashes > 1:  # N_ij: count each key once over the rounds
-            scores = scores - torch.log(met.clamp(min=1).to(scores.dtype))
+        i_c, j_c = i.clamp(min=0), j.clamp(min=0)
+        met = 1 + sum(
+            _meets(_take_int(q_chunk[:, :, t], i_c), _take_int(k_chunk[:, :, t], j_c),
+                   _take_int(q_buckets[:, :, t], i_c), _take_int(k_buckets[:, :, t], j_c),
+                   opts.attend_across_buckets).to(q.dtype)
+            for t in range(opts.n_hashes) if t != r
+        )  # N_ij: rounds in which this pair meets (this one and the others)
+        if opts.n_hashes > 1:
+            scores = scores - torch.log(met)
         if opts.shared_qk:
-            scores = torch.where(i == j, scores - SELF_PENALTY, scores)
+            scores = scores - SELF_PENALTY * (i == j).to(q.dtype)
         o, lse = partial_softmax(scores, valid, v_win)  # (B, H, nc, m, Dv), (B, H, nc, m)
         back = q_order[:, :, r].argsort(-1)  # unsort: sorted slot of each position
         parts.append((_take(o.reshape(B, H, Lp, -1), back), _take_int(lse.reshape(B, H, Lp), back)))
     return merge_partials(parts)[0].to(q.dtype)
-
-
-def _codes(order, buckets, m, step, *, pad):
-    """(B, H, L + 1, n_hashes) int32 code of every position in every round: chunk·step + bucket
-    (step = 1 and no bucket when attending across buckets); the last row, ``pad``, is what
-    padding slots (index -1) get."""
-    chunk = order.argsort(-1) // m  # (B, H, n_hashes, L): chunk of each position
-    code = chunk * step + (buckets if step > 1 else 0)
-    code = code.transpose(-1, -2).to(torch.int32)  # (B, H, L, n_hashes)
-    return F.pad(code, (0, 0, 0, 1), value=pad)
-
-
-def _take_code(code: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows of ``code`` (B, H, L + 1, n) at idx (B, H, k), -1 taking the padding row."""
-    idx = torch.where(idx < 0, code.shape[2] - 1, idx)
-    return torch.gather(code, 2, idx[..., None].expand(-1, -1, -1, code.shape[-1]))
 
 
 def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
