@@ -67,13 +67,15 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
     X = v1.shape[-1]
     nc = -(-L // chunk)
     pad = nc * chunk - L
-    pq, pk, pv = (F.pad(t, (0, 0, 0, pad)).view(B, H, nc, chunk, -1) for t in (phi_q, phi_k, v1))
-    scores = (pq @ pk.transpose(-1, -2)).tril()  # (B, H, nc, chunk, chunk), j <= i within the chunk
-    intra = scores @ pv  # (B, H, nc, chunk, X)
+    pq, pk, pv = ((F.pad(t, (0, 0, 0, pad)) if pad else t).view(B, H, nc, chunk, -1)
+                  for t in (phi_q, phi_k, v1))
+    scores = (pq @ pk.transpose(-1, -2)).tril_()  # (B, H, nc, chunk, chunk), j <= i within the chunk
     chunk_kv = pk.transpose(-1, -2) @ pv  # (B, H, nc, F, X): each chunk's Σ φ(k) v1ᵀ
     before = torch.cumsum(F.pad(chunk_kv[:, :, :-1], (0, 0, 0, 0, 1, 0)), 2) + kv0[:, :, None]
-    inter = pq @ before  # (B, H, nc, chunk, X); before = the state ahead of each chunk
-    out = (intra + inter).view(B, H, nc * chunk, X)[:, :, :L]
+    # intra-chunk part plus the state ahead of each chunk: (B, H, nc, chunk, X)
+    out = torch.baddbmm(
+        (scores @ pv).flatten(0, 2), pq.flatten(0, 2), before.flatten(0, 2)
+    ).view(B, H, nc * chunk, X)[:, :, :L]
     return out, kv0 + chunk_kv.sum(2)
 
 
