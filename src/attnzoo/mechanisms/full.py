@@ -40,21 +40,29 @@ def full_attention(q, k, v, opts=FullOptions(), *, causal=False, key_mask=None, 
     return zero_empty_rows(out, causal=causal, key_mask=key_mask, Lk=Lk)
 
 
-def softmax_reference(q, k, v, mask, scale):
-    """Plain masked softmax attention; ``mask`` broadcasts to (B, H, Lq, Lk), True = attend.
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim restricted to ``mask`` (True = keep); rows with nothing kept are
+    zeros, with no NaN in the forward or the backward."""
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    mask = mask.expand_as(scores)
+    empty = ~mask.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~mask, float("-inf")).masked_fill(empty, 0.0)
+    return torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
+
+
+def softmax_reference(q, k, v, mask, scale, bias=None):
+    """Plain masked softmax attention; ``mask`` broadcasts to (B, H, Lq, Lk), True = attend,
+    ``bias`` (broadcastable) is added to the scores.
 
     The shared dense reference of every softmax mechanism: rows with no
     allowed key give zeros.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
-    if mask is None:
-        return torch.softmax(scores, dim=-1) @ v
-    mask = mask.expand_as(scores)
-    empty = ~mask.any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
-    scores = scores.masked_fill(~mask, float("-inf")).masked_fill(empty, 0.0)
-    weights = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
-    return weights @ v
+    if bias is not None:
+        scores = scores + bias
+    return masked_softmax(scores, mask) @ v
 
 
 def full_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:

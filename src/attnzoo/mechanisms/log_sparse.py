@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.mechanisms._common import pad_to, pattern_reference, softmax_scale, to_frame
+from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -79,9 +80,7 @@ def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_
         valid = valid & (j // opts.restart == i // opts.restart)
     if key_valid is not None:
         valid = valid & key_valid[:, j.clamp(0, N - 1)][:, None]  # (B, 1, N, n_offsets)
-    scores = scores.masked_fill(~valid, float("-inf"))
-    weights = torch.softmax(scores, -1).nan_to_num(0.0)  # rows with no key: all -inf -> 0
-    weights = weights.masked_fill(~valid, 0.0)
+    weights = masked_softmax(scores, valid)  # (B, H, N, n_offsets); rows with no key: zeros
     out = 0
     for n, d in enumerate(offsets):
         out = out + weights[..., n, None] * v_pad[:, :, reach - d: reach - d + N]  # (B, H, N, Dv)

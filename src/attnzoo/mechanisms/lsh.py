@@ -204,15 +204,10 @@ def lsh_reference(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
                   generator=None):
     """Dense softmax over the union of keys met in any round (same draw of rotations)."""
     mask = lsh_mask(q, k, opts, causal, key_mask, scale, generator)
-    keys = _keys_of(q, k, opts)
-    if opts.shared_qk:  # fold the self penalty into q·kᵀ: subtract it on the diagonal
-        s = softmax_scale(q, scale)
-        eye = torch.eye(q.shape[2], dtype=q.dtype, device=q.device)
-        scores = (q @ keys.transpose(-1, -2)) * s - SELF_PENALTY * eye
-        scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores, -1).nan_to_num(0.0)
-        return weights @ v
-    return softmax_reference(q, keys, v, mask, scale)
+    bias = None
+    if opts.shared_qk:  # the self penalty on the diagonal
+        bias = -SELF_PENALTY * torch.eye(q.shape[2], dtype=q.dtype, device=q.device)
+    return softmax_reference(q, _keys_of(q, k, opts), v, mask, scale, bias=bias)
 
 
 register(

@@ -15,6 +15,7 @@ import torch
 
 from attnzoo.masks import causal_offset, dense_mask, visible_key_count
 from attnzoo.mechanisms._common import partial_softmax, softmax_scale
+from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -186,7 +187,7 @@ def prob_sparse_reference(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     M = M.masked_fill(~mask.any(-1), float("-inf"))
     active = torch.zeros(B, H, Lq, dtype=torch.bool, device=q.device)
     active.scatter_(2, M.topk(u, dim=-1).indices, True)
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    weights = masked_softmax(scores, mask)
     uniform = mask.to(q.dtype)
     if not (opts.variant == "official" and causal):
         uniform = uniform / uniform.sum(-1, keepdim=True).clamp(min=1)
