@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnzoo.masks import zero_empty_rows
 from attnzoo.mechanisms._common import softmax_scale
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -75,13 +76,7 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
     kernel_2 = torch.softmax((q_l @ k_l.transpose(-1, -2)) * s, -1)  # (B, H, m, m)
     middle = iterative_pinv(kernel_2, opts.pinv_iterations) @ kernel_3  # (B, H, m, Dv)
     out = F.scaled_dot_product_attention(q, k_l, middle, scale=s)
-    return _no_key_rows_to_zero(out, key_mask)
-
-
-def _no_key_rows_to_zero(out, key_mask):
-    if key_mask is None:
-        return out
-    return out * key_mask.any(-1)[:, None, None, None].to(out.dtype)
+    return zero_empty_rows(out, causal=False, key_mask=key_mask, Lk=k.shape[2])
 
 
 def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=None, scale=None,
@@ -94,7 +89,7 @@ def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
     kernel_2 = torch.softmax((q_l @ k_l.transpose(-1, -2)) * s, -1)
     kernel_3_v = softmax_reference(q_l, k, v, mask, s)
     out = kernel_1 @ iterative_pinv(kernel_2, opts.pinv_iterations) @ kernel_3_v
-    return _no_key_rows_to_zero(out, key_mask)
+    return zero_empty_rows(out, causal=False, key_mask=key_mask, Lk=k.shape[2])
 
 
 def nystrom_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
