@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo.masks import dense_mask, zero_empty_rows
+from attnzoo.masks import dense_mask, visible_key_count, zero_empty_rows
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -67,11 +67,7 @@ def softmax_reference(q, k, v, mask, scale, bias=None):
 
 def full_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
     """2·(D + Dv) per visible (query, key) pair: the fused kernel skips masked causal blocks."""
-    if not causal:
-        pairs = Lq * Lk
-    else:
-        seen = [min(max(i + Lk - Lq + 1, 0), Lk) for i in range(Lq)]
-        pairs = sum(seen)
+    pairs = int(visible_key_count(Lq, Lk, causal=causal, key_mask=None).sum())
     return 2.0 * B * H * pairs * (D + Dv)
 
 
