@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -58,17 +59,22 @@ def _parse_value(text: str):
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
-def _mechanism_options(pairs: list[str]) -> dict[str, dict]:
-    """['lsh.n_hashes=8', 'local.window=128'] -> {'lsh': {'n_hashes': 8}, 'local': {...}}."""
+def _dotted_options(pairs: list[str], check: Callable[[str], object], form: str) -> dict[str, dict]:
+    """['lsh.n_hashes=8', 'local.window=128'] -> {'lsh': {'n_hashes': 8}, 'local': {...}};
+    ``check`` raises ValueError for a bad name before the dot."""
     options: dict[str, dict] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         name, dot, option = key.partition(".")
         if not sep or not dot:
-            raise ValueError(f"--option takes MECHANISM.OPTION=VALUE, got {pair!r}")
-        attnzoo.get(name)
+            raise ValueError(f"--option takes {form}, got {pair!r}")
+        check(name)
         options.setdefault(name, {})[option] = _parse_value(value)
     return options
+
+
+def _mechanism_options(pairs: list[str]) -> dict[str, dict]:
+    return _dotted_options(pairs, attnzoo.get, "MECHANISM.OPTION=VALUE")
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
@@ -155,16 +161,18 @@ def cmd_patterns(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+SLOTS = ("enc", "dec", "cross")
+
+
+def _check_slot(name: str) -> None:
+    if name not in SLOTS:
+        raise ValueError(f"--option takes enc|dec|cross.OPTION=VALUE, got slot {name!r}")
+
+
 def _slot_options(pairs: list[str]) -> dict[str, dict]:
-    """['enc.factor=3', 'dec.factor=2', 'cross.window=8'] -> {'enc': {'factor': 3}, ...}."""
-    slots: dict[str, dict] = {"enc": {}, "dec": {}, "cross": {}}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        slot, dot, option = key.partition(".")
-        if not sep or not dot or slot not in slots:
-            raise ValueError(f"--option takes enc|dec|cross.OPTION=VALUE, got {pair!r}")
-        slots[slot][option] = _parse_value(value)
-    return slots
+    """['enc.factor=3', 'cross.window=8'] -> {'enc': {'factor': 3}, 'dec': {}, 'cross': {...}}."""
+    given = _dotted_options(pairs, _check_slot, "enc|dec|cross.OPTION=VALUE")
+    return {slot: given.get(slot, {}) for slot in SLOTS}
 
 
 def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
