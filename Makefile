@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: bench test list patterns lint clean
+.PHONY: bench test list patterns lint clean peers peers-ft performance
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,29 @@ patterns: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
+
+# Peers for benchmarks/peers.py: the `peers` group of pyproject.toml, each with --no-deps
+# (their small dependencies are listed in the group by name), so torch 2.13.0 never moves.
+GROUP = $(PY) -c "import sys, tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))"
+
+$(VENV)/.peers: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $$($(GROUP) peers)
+	touch $@
+
+peers: $(VENV)/.peers
+
+# fast-transformers' setup.py imports torch (no build isolation) and adds CUDA extensions when an
+# nvcc is on PATH; with no CUDA torch here, nvcc's folder is left off PATH so only the CPU ones build.
+$(VENV)/.peers-ft: $(VENV)/.peers
+	$(PY) -m pip install --quiet wheel ninja
+	env PATH="$$(printf '%s' "$$PATH" | tr ':' '\n' | grep -vxF "$$(dirname "$$(command -v nvcc || echo /none/nvcc)")" | paste -sd: -)" \
+	  MAX_JOBS=2 $(PY) -m pip install --quiet --no-deps --no-build-isolation $$($(GROUP) peers-ft)
+	touch $@
+
+peers-ft: $(VENV)/.peers-ft
+
+performance: $(VENV)/.peers
+	$(PY) benchmarks/peers.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
