@@ -29,16 +29,20 @@ def partial_softmax(scores: torch.Tensor, valid: torch.Tensor | None, v: torch.T
     """Softmax of ``scores (..., R, n)`` over the ``valid`` keys, applied to ``v (..., n, Dv)``.
 
     Returns ``(o (..., R, Dv), lse (..., R))``, in float32 for half-precision inputs; rows
-    with no valid key give o = 0, lse = -inf.
+    with no valid key give o = 0, lse = -inf. ``scores`` is overwritten (callers pass a
+    fresh tensor): masking, shifting and exp happen in place, and the normaliser divides
+    the small ``o`` rather than the weights, so the scores are read and written four times
+    in all. The shift m is detached: the softmax and lse do not depend on it.
     """
     scores, v = wide(scores), wide(v)
     if valid is not None:
-        scores = scores.masked_fill(~valid, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (..., 1)
-    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    weights = torch.exp(scores - safe_lse)  # exp(-inf) = 0 for invalid keys and empty rows
-    o = weights @ v  # (..., R, Dv)
-    return o, lse.squeeze(-1)
+        scores = scores.masked_fill_(valid.logical_not(), float("-inf"))
+    m = scores.detach().amax(-1, keepdim=True)  # (..., R, 1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty rows: exp(-inf) = 0 below
+    weights = scores.sub_(m).exp_()
+    total = weights.sum(-1, keepdim=True)  # >= 1 where a key is valid: the max gives exp(0)
+    o = (weights @ v) / total.clamp(min=1.0)  # (..., R, Dv); empty rows 0 / 1
+    return o, (m + total.log()).squeeze(-1)
 
 
 def merge_partials(parts):
