@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo.mechanisms._common import merge_partials, pad_to, partial_softmax, softmax_scale
+from attnzoo.mechanisms._common import (
+    SCORES_PER_CHUNK,
+    merge_partials,
+    pad_to,
+    partial_softmax,
+    softmax_scale,
+)
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -58,13 +64,29 @@ def n_buckets_for(L: int, opts: LSHOptions) -> int:
 
 
 def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, D) -> (B, H, n_hashes, L) buckets: argmax([xR; -xR]) per round."""
+    """(B, H, L, D) -> (B, H, n_hashes, L) buckets: argmax([xR; -xR]) per round.
+
+    Computed as argmax(xR) where max(xR) >= -min(xR), else b/2 + argmin(xR): the same
+    first-maximum tie rule as the argmax of the concatenation, without building it.
+    """
     if rotations.shape[-1] == 0:  # one bucket
         return torch.zeros(*x.shape[:2], rotations.shape[0], x.shape[2], dtype=torch.long,
                            device=x.device)
     x = x if x.dtype == torch.float64 else x.float()  # hash in >= float32: half precision flips buckets
-    rotated = torch.einsum("bhld,rdc->bhrlc", x, rotations.to(x.dtype))  # (B, H, n_hashes, L, b/2)
-    return torch.cat([rotated, -rotated], -1).argmax(-1)
+    rotations = rotations.to(x.dtype)
+    B, H, L, _ = x.shape
+    R, half = rotations.shape[0], rotations.shape[-1]
+    out = torch.empty(B, H, R, L, dtype=torch.long, device=x.device)
+    rows = max(1, HASH_BLOCK // (B * H * R * half))  # positions a block: the rotated block stays in cache
+    for s in range(0, L, rows):
+        rotated = torch.einsum("bhld,rdc->bhrlc", x[:, :, s:s + rows], rotations)  # (B, H, R, rows, b/2)
+        top, arg_top = rotated.max(-1)
+        low, arg_low = rotated.min(-1)
+        out[..., s:s + rows] = torch.where(top >= -low, arg_top, arg_low + half)
+    return out
+
+
+HASH_BLOCK = 2**20  # rotated values computed at a time while hashing
 
 
 def _buckets_and_order(q, k, opts, generator):
@@ -106,8 +128,9 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
 
     Shapes: q, k (B, H, L, D), v (B, H, L, Dv) -> (B, H, L, Dv); self-attention only.
     Cost O(n_hashes·L·bucket_size·D) time (plus n_hashes²·L·bucket_size integer
-    compares for the duplicate count) and O(L·bucket_size + n_hashes·L) memory,
-    one round at a time; the sort is O(L log L). No L×L tensor.
+    compares for the duplicate count) and O(L·(D + Dv) + SCORES_PER_CHUNK) memory: the
+    rounds run one after another, each over groups of chunks whose scores stay in
+    cache, and merge into a running log-sum-exp. The sort is O(L log L). No L×L tensor.
     Choices: rotations are shared by batch and heads; chunk 0 has no chunk before
     it (no wrap-around); with ``shared_qk`` a query's own key scores −1e5, so it is
     attended only when nothing else is, as in the paper.
@@ -118,46 +141,86 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     nc = -(-L // m)
     Lp = nc * m
     q_buckets, k_buckets, q_order, k_order = _buckets_and_order(q, keys, opts, generator)
-    q_chunk = q_order.argsort(-1) // m  # (B, H, n_hashes, L): each query's chunk, by position
-    k_chunk = k_order.argsort(-1) // m
-    s = softmax_scale(q, scale)
-
-    def window(t, pad=0):  # (B, H, Lp, X) sorted -> (B, H, nc, 2m, X): the chunk before, then the chunk
-        t = t.view(B, H, nc, m, -1)
-        return torch.cat([F.pad(t, (0, 0, 0, 0, 1, 0), value=pad)[:, :, :-1], t], 3)
-
-    parts = []
+    q_code, k_code = _meeting_codes(q_buckets, q_order, m, opts), _meeting_codes(k_buckets, k_order, m, opts)
+    rows = torch.arange(B * H, device=q.device).view(B, H, 1) * L  # row offset of each (batch, head)
+    flat_q = (q * softmax_scale(q, scale)).reshape(B * H * L, D)
+    flat_k, flat_v = keys.reshape(B * H * L, D), v.reshape(B * H * L, -1)
+    key_ok = None if key_mask is None else key_mask[:, None].expand(B, H, L)
+    group = max(1, SCORES_PER_CHUNK // (B * H * 2 * m * m))  # chunks a group: scores stay in cache
+    out = None
     for r in range(opts.n_hashes):
-        qi = pad_to(q_order[:, :, r], Lp, dim=2, value=-1)  # (B, H, Lp) query positions, -1 = pad
-        kj = pad_to(k_order[:, :, r], Lp, dim=2, value=-1)
-        q_sorted = _take(q, qi).view(B, H, nc, m, D)
-        k_win = window(_take(keys, kj))  # (B, H, nc, 2m, D)
-        v_win = window(_take(v, kj))  # (B, H, nc, 2m, Dv)
-        i = qi.view(B, H, nc, m, 1)
-        j = window(kj[..., None], pad=-1).view(B, H, nc, 1, 2 * m)  # chunk 0 has none before it
-        scores = (q_sorted @ k_win.transpose(-1, -2)) * s  # (B, H, nc, m, 2m)
-        valid = (i >= 0) & (j >= 0)
-        if not opts.attend_across_buckets:
-            valid = valid & (_take_int(q_buckets[:, :, r], i) == _take_int(k_buckets[:, :, r], j))
-        if causal:
-            valid = valid & (j <= i)
-        if key_mask is not None:
-            valid = valid & _take_int(key_mask[:, None].expand(B, H, L), j)
-        i_c, j_c = i.clamp(min=0), j.clamp(min=0)
-        met = 1 + sum(
-            _meets(_take_int(q_chunk[:, :, t], i_c), _take_int(k_chunk[:, :, t], j_c),
-                   _take_int(q_buckets[:, :, t], i_c), _take_int(k_buckets[:, :, t], j_c),
-                   opts.attend_across_buckets).to(q.dtype)
-            for t in range(opts.n_hashes) if t != r
-        )  # N_ij: rounds in which this pair meets (this one and the others)
-        if opts.n_hashes > 1:
-            scores = scores - torch.log(met)
-        if opts.shared_qk:
-            scores = scores - SELF_PENALTY * (i == j).to(q.dtype)
-        o, lse = partial_softmax(scores, valid, v_win)  # (B, H, nc, m, Dv), (B, H, nc, m)
-        back = q_order[:, :, r].argsort(-1)  # unsort: sorted slot of each position
-        parts.append((_take(o.reshape(B, H, Lp, -1), back), _take_int(lse.reshape(B, H, Lp), back)))
-    return merge_partials(parts)[0].to(q.dtype)
+        qi = pad_to(q_order[:, :, r], Lp, value=-1).view(B, H, nc, m)  # sorted slot -> position, -1 pad
+        kj = pad_to(k_order[:, :, r], Lp + m, front=m, value=-1)  # a padded chunk before chunk 0
+        j_win = kj.unfold(2, 2 * m, m)  # (B, H, nc, 2m): keys of the chunk before and the chunk
+        parts = []
+        for c in range(0, nc, group):
+            cs = slice(c, min(c + group, nc))
+            i, j = qi[:, :, cs, :, None], j_win[:, :, cs, None, :]  # (B, H, n, m, 1), (B, H, n, 1, 2m)
+            q_blk = _rows(flat_q, rows, qi[:, :, cs])  # (B, H, n, m, D)
+            k_blk = _rows(flat_k, rows, j_win[:, :, cs])  # (B, H, n, 2m, D)
+            scores = q_blk @ k_blk.transpose(-1, -2)  # (B, H, n, m, 2m)
+            valid = _valid(i, j, r, q_code, k_code, key_ok, causal, opts)
+            if opts.n_hashes > 1:
+                scores = scores.sub_(_log_meetings(i, j, r, q_code, k_code, scores.dtype))  # N_ij
+            if opts.shared_qk:  # a query's own key is slot m + a of its window (same order)
+                scores[..., m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
+            parts.append(partial_softmax(scores, valid, _rows(flat_v, rows, j_win[:, :, cs])))
+        o = torch.cat([o for o, _ in parts], 2).view(B, H, Lp, -1)[:, :, :L]  # sorted slots
+        lse = torch.cat([lse for _, lse in parts], 2).view(B, H, Lp)[:, :, :L]
+        pos = q_order[:, :, r]
+        o = o.new_empty(o.shape).scatter(2, pos[..., None].expand_as(o), o)  # back to positions
+        lse = lse.new_empty(lse.shape).scatter(2, pos, lse)
+        out = (o, lse) if out is None else merge_partials([out, (o, lse)])
+    return out[0].to(q.dtype)
+
+
+def _rows(flat: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows of ``flat (B·H·L, X)`` at positions ``idx (B, H, ...)`` (-1 gives position 0): (B, H, ..., X)."""
+    glob = idx.clamp(min=0) + rows.view(*rows.shape, *([1] * (idx.dim() - 3)))
+    return flat.index_select(0, glob.reshape(-1)).view(*idx.shape, flat.shape[-1])
+
+
+def _meeting_codes(buckets, order, m, opts):
+    """(B, H, n_hashes, L) int: two positions meet in a round iff 0 <= code(query) − code(key) <= 1.
+
+    The code is the position's chunk after sorting, plus its bucket times a stride larger
+    than any chunk difference unless ``attend_across_buckets``.
+    """
+    L = order.shape[-1]
+    slots = torch.arange(L, device=order.device).expand_as(order)
+    chunk = torch.empty_like(order).scatter_(-1, order, slots) // m  # inverse permutation
+    if not opts.attend_across_buckets:
+        chunk = chunk + buckets * (L + 2)
+    return chunk.to(torch.int32)  # half the bytes of int64 in the compares
+
+
+def _gather_code(code, r, idx):
+    """code (B, H, n_hashes, L) of round r at positions idx (B, H, ...) (-1 gives position 0)."""
+    return _take_int(code[:, :, r], idx)
+
+
+def _valid(i, j, r, q_code, k_code, key_ok, causal, opts):
+    """Which window keys a sorted query may attend: real, unmasked, same bucket, causal."""
+    valid = j >= 0  # (B, H, n, 1, 2m)
+    if key_ok is not None:
+        valid = valid & _take_int(key_ok, j)
+    if not opts.attend_across_buckets:  # same bucket: in the window chunks differ by 0 or 1 already
+        valid = valid & ((_gather_code(q_code, r, i) - _gather_code(k_code, r, j)) >> 1 == 0)
+    if causal:
+        valid = valid & (j <= i)
+    return valid
+
+
+def _log_meetings(i, j, r, q_code, k_code, dtype):
+    """log N_ij, N_ij = the rounds in which query i and key j meet (this round r and the others)."""
+    count = None  # uint8: the bools are added as bytes (a view), no conversion per round
+    for t in range(q_code.shape[2]):
+        if t == r:
+            continue
+        d = _gather_code(q_code, t, i) - _gather_code(k_code, t, j)  # (B, H, n, m, 2m)
+        met = ((d >> 1) == 0).view(torch.uint8)  # d in {0, 1}
+        count = met if count is None else count.add_(met)
+    return count.to(dtype).log1p_()
 
 
 def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
