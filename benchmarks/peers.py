@@ -424,7 +424,10 @@ def _ratio(a: dict, b: dict, key: str, target: float | None = None) -> str:
 
 
 def peer_target(pair: Pair, peer: dict, L: int, doc: dict) -> float:
-    """0.5, or 1.0 where the peer is already within 2x of the FLOP floor (core pairs only)."""
+    """0.5, or 1.0 where the peer is already within 2x of the FLOP floor (core pairs only);
+    1.05 for full attention, which is SDPA with nothing of ours around it."""
+    if pair.mechanism == "full":
+        return 1.05
     spec = attnzoo.get(pair.mechanism)
     if pair.scope != "core" or spec.flops is None or "fwd_s" not in peer:
         return 0.5

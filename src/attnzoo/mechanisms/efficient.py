@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms.linear import _no_scale
+from attnzoo.mechanisms.linear import _no_scale, key_state, query_blocks
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -15,14 +15,11 @@ class EfficientOptions:
     """Efficient attention has no options."""
 
 
-def _column_softmax(k: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-    """σ_col(K): softmax over the (real) positions, per feature; all-padding batches give 0."""
-    if key_mask is None:
-        return torch.softmax(k, dim=2)
-    valid = key_mask[:, None, :, None]  # (B, 1, Lk, 1)
-    logits = k.masked_fill(~valid, float("-inf"))
-    empty = ~key_mask.any(-1)[:, None, None, None]  # (B, 1, 1, 1): no real key at all
-    return torch.softmax(logits.masked_fill(empty, 0.0), dim=2).masked_fill(~valid, 0.0)
+def _column_exp(k_blk, mask):
+    """exp(k − c) for a block of keys, c (B, H, 1, D) the block's per-feature max over real keys."""
+    real = k_blk if mask is None else k_blk.masked_fill(~mask[:, None, :, None], float("-inf"))
+    c = real.amax(2, keepdim=True)
+    return torch.exp(k_blk - torch.where(torch.isfinite(c), c, torch.zeros_like(c))), c
 
 
 def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,
@@ -38,8 +35,9 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     Linear Complexities, WACV 2021.
     """
     _no_scale("efficient", scale)
-    context = _column_softmax(k, key_mask).transpose(-1, -2) @ v  # (B, H, D, Dv)
-    return torch.softmax(q, dim=-1) @ context
+    S, z = key_state(k, v, _column_exp, key_mask, k.shape[-1])  # σ_col(K)ᵀV = S / z, streamed
+    context = S / z.unsqueeze(-1).clamp(min=torch.finfo(S.dtype).tiny)  # (B, H, D, Dv)
+    return query_blocks(q, lambda q_blk: torch.softmax(q_blk, dim=-1) @ context, q.shape[-1])
 
 
 def efficient_reference(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,

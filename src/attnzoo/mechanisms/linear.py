@@ -18,7 +18,7 @@ from attnzoo.registry import Capabilities, Mechanism, register
 
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     """φ(x) = elu(x) + 1, the paper's positive feature map."""
-    return F.elu(x) + 1
+    return F.elu(x).add_(1)
 
 
 @dataclass(frozen=True)
@@ -107,11 +107,79 @@ def kernel_attention(phi_q, phi_k, v, *, causal, key_mask, eps, chunk, kv0=None)
     return _finish(out, eps), LinearState(kv)
 
 
+STREAM_BLOCK = 2**20  # non-causal streaming: feature values (all batches and heads) computed at a time
+
+
+def stream_rows(t: torch.Tensor, width: int) -> int:
+    """Positions per block so a block's B·H·rows·width values stay in cache."""
+    return max(1, STREAM_BLOCK // (t.shape[0] * t.shape[1] * width))
+
+
+def key_state(k, v, phi_k, key_mask, width):
+    """S = Σ_j φ(k_j) v_jᵀ (B, H, F, Dv) and z = Σ_j φ(k_j) (B, H, F), streamed over key blocks.
+
+    ``phi_k(k_block, mask_block)`` gives ``(features (B, H, n, F), c)``: the block's true
+    features are features·e^c, c (B, H, 1, F or 1) or None (no factor). Blocks are merged
+    by rescaling to the largest c so far, so S and z share one factor e^(−max c) (which
+    cancels in every normalised use) and no (Lk, F) tensor exists. Padded keys
+    (``key_mask`` False) contribute nothing.
+    """
+    rows = stream_rows(k, width)
+    S = z = c = None
+    for s in range(0, k.shape[2], rows):
+        mask = None if key_mask is None else key_mask[:, s:s + rows]
+        feat, c_blk = phi_k(k[:, :, s:s + rows], mask)  # (B, H, n, F)
+        if mask is not None:  # a fill, not a product: a padded key's feature may overflow
+            feat = feat.masked_fill(~mask[:, None, :, None], 0.0)
+        S_blk, z_blk = feat.transpose(-1, -2) @ v[:, :, s:s + rows], feat.sum(2)
+        if S is None:
+            S, z, c = S_blk, z_blk, c_blk
+        elif c is None:
+            S, z = S + S_blk, z + z_blk
+        else:
+            new = torch.maximum(c, c_blk)
+            safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+            a, a_blk = torch.exp(c - safe), torch.exp(c_blk - safe)  # (B, H, 1, F or 1)
+            S = S * a.transpose(-1, -2) + S_blk * a_blk.transpose(-1, -2)
+            z = z * a.squeeze(2) + z_blk * a_blk.squeeze(2)
+            c = new
+    return S, z
+
+
+def query_blocks(q, fn, width):
+    """``fn(q_block)`` over blocks of queries, written into one (B, H, Lq, X) output (no concatenation)."""
+    rows, Lq = stream_rows(q, width), q.shape[2]
+    out = None
+    for s in range(0, Lq, rows):
+        blk = fn(q[:, :, s:s + rows])  # (B, H, n, X)
+        if rows >= Lq:
+            return blk
+        if out is None:
+            out = blk.new_empty(*blk.shape[:2], Lq, blk.shape[-1])
+        out[:, :, s:s + rows] = blk
+    return out
+
+
+def streamed_kernel_attention(q, k, v, phi_q, phi_k, *, key_mask, eps, width):
+    """Non-causal φ(q_i)ᵀS / (φ(q_i)ᵀz + eps) with features made block by block (in cache).
+
+    ``phi_q(q_block)`` gives features; ``phi_k`` as in :func:`key_state`; ``width`` = F.
+    Same result as :func:`kernel_attention` on whole feature tensors, without the (L, F) ones.
+    """
+    S, z = key_state(k, v, phi_k, key_mask, width)
+
+    def finish(q_blk):
+        f = phi_q(q_blk)  # (B, H, n, F)
+        return (f @ S) / ((f * z.unsqueeze(-2)).sum(-1, keepdim=True) + eps)  # a matvec is slow in bmm
+
+    return query_blocks(q, finish, width)
+
+
 def kernel_flops(Lq, Lk, Fdim, Dv, causal, chunk) -> float:
     """FLOPs of :func:`kernel_attention` for one (batch, head), features given."""
     X = Dv + 1
-    if not causal:
-        return 2.0 * (Lk + Lq) * Fdim * X
+    if not causal:  # the streamed form's products: S = φ(K)ᵀV, then φ(q)·S (sums like z not counted)
+        return 2.0 * (Lk + Lq) * Fdim * Dv
     off = Lk - Lq
     aligned = min(Lq, Lk)
     n = -(-aligned // chunk) * chunk
@@ -140,6 +208,9 @@ def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=No
     """
     _no_scale("linear", scale)
     phi = _feature_map(opts)
+    if not causal:
+        return streamed_kernel_attention(q, k, v, phi, lambda k_blk, _: (phi(k_blk), None),
+                                         key_mask=key_mask, eps=opts.eps, width=q.shape[-1])
     out, _ = kernel_attention(phi(q), phi(k), v, causal=causal, key_mask=key_mask, eps=opts.eps,
                               chunk=opts.chunk)
     return out

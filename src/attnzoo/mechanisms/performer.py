@@ -8,7 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.mechanisms._common import softmax_scale
-from attnzoo.mechanisms.linear import kernel_attention, kernel_flops, kernel_reference
+from attnzoo.mechanisms.linear import (
+    kernel_attention,
+    kernel_flops,
+    kernel_reference,
+    streamed_kernel_attention,
+)
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -43,6 +48,18 @@ def draw_features(m: int, D: int, *, orthogonal: bool, generator=None, device=No
     return W * norms
 
 
+def favor_logits(x: torch.Tensor, W: torch.Tensor, scale: float) -> torch.Tensor:
+    """W x' − ‖x'‖²/2 with x' = x·√scale: (B, H, L, m), the log of the unnormalised features."""
+    x = x * math.sqrt(scale)
+    return (x @ W.to(x.dtype).T).sub_((x * x).sum(-1, keepdim=True).mul_(0.5))  # (B, H, L, m)
+
+
+def key_constant(logits: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """The max over every real key of a (batch, head): (B, H, 1, 1), -inf where there is none."""
+    real = logits if key_mask is None else logits.masked_fill(~key_mask[:, None, :, None], -torch.inf)
+    return real.amax(dim=(-1, -2), keepdim=True)
+
+
 def favor_features(x: torch.Tensor, W: torch.Tensor, scale: float, *, stabilise: str,
                    key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """φ(x) = exp(W x' − ‖x'‖²/2 − c) / √m with x' = x·√scale, so φ(q)·φ(k) ≈ exp(q·k·scale) e^{-c}.
@@ -53,26 +70,28 @@ def favor_features(x: torch.Tensor, W: torch.Tensor, scale: float, *, stabilise:
     (causal keys, so no future key sets the constant; W x' − ‖x'‖²/2 <= ‖w‖²/2
     keeps it finite).
     """
-    x = x * math.sqrt(scale)
-    proj = x @ W.to(x.dtype).T  # (B, H, L, m)
-    logits = proj - (x * x).sum(-1, keepdim=True) / 2
+    logits = favor_logits(x, W, scale)
+    c = torch.zeros((), dtype=logits.dtype, device=logits.device)
     if stabilise == "row":
-        logits = logits - logits.amax(-1, keepdim=True)
+        c = logits.amax(-1, keepdim=True)
     elif stabilise == "all":
-        real = logits if key_mask is None else logits.masked_fill(~key_mask[:, None, :, None], -torch.inf)
-        c = real.amax(dim=(-1, -2), keepdim=True)
-        logits = logits - torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-    return torch.exp(logits) / math.sqrt(W.shape[0])
+        c = key_constant(logits, key_mask)
+        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    return torch.exp_(logits - (c + 0.5 * math.log(W.shape[0])))  # the 1/√m inside the exp
 
 
-def _features_and_maps(q, k, opts, causal, key_mask, scale, generator):
+def _features(q, opts, generator):
     W = opts.features
     if W is None:
         W = draw_features(opts.nb_features, q.shape[-1], orthogonal=opts.orthogonal,
                           generator=generator, device=q.device)
     elif W.shape[1] != q.shape[-1]:
         raise ValueError(f"performer: features have {W.shape[1]} columns but D = {q.shape[-1]}")
-    s = softmax_scale(q, scale)
+    return W
+
+
+def _features_and_maps(q, k, opts, causal, key_mask, scale, generator):
+    W, s = _features(q, opts, generator), softmax_scale(q, scale)
     return (favor_features(q, W, s, stabilise="row"),
             favor_features(k, W, s, stabilise="none" if causal else "all", key_mask=key_mask))
 
@@ -87,6 +106,17 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     falls as m grows. Features are drawn from ``generator`` unless given.
     Choromanski et al., Rethinking Attention with Performers, ICLR 2021.
     """
+    if not causal:  # streamed: no (L, m) feature tensor, keys merged by their block constants
+        W, s = _features(q, opts, generator), softmax_scale(q, scale)
+
+        def phi_k(k_blk, mask):
+            logits = favor_logits(k_blk, W, s)
+            c = key_constant(logits, mask)
+            safe = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+            return torch.exp_(logits - (safe + 0.5 * math.log(W.shape[0]))), c
+
+        return streamed_kernel_attention(q, k, v, lambda q_blk: favor_features(q_blk, W, s, stabilise="row"),
+                                         phi_k, key_mask=key_mask, eps=opts.eps, width=W.shape[0])
     phi_q, phi_k = _features_and_maps(q, k, opts, causal, key_mask, scale, generator)
     out, _ = kernel_attention(phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=opts.eps,
                               chunk=opts.chunk)
