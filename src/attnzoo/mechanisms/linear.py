@@ -79,34 +79,6 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
     return out, kv0 + chunk_kv.sum(2)
 
 
-def kernel_attention(phi_q, phi_k, v, *, causal, key_mask, eps, chunk, kv0=None):
-    """The shared engine: normalised kernel attention from features φ(q), φ(k).
-
-    phi_q (B, H, Lq, F), phi_k (B, H, Lk, F), v (B, H, Lk, Dv) -> ((B, H, Lq, Dv), state).
-    Padded keys (key_mask False) contribute nothing; a query that sees no key gets 0.
-    Causal with Lq != Lk: query i sees keys j <= i + Lk - Lq (the keys before the
-    first aligned one form the starting state). ``kv0`` continues from a state.
-    """
-    B, H, Lk, Fdim = phi_k.shape
-    Lq = phi_q.shape[2]
-    if key_mask is not None:
-        phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
-    v1 = _with_ones(v)  # (B, H, Lk, Dv+1)
-    if kv0 is None:
-        kv0 = phi_k.new_zeros(B, H, Fdim, v1.shape[-1])
-    if not causal:
-        kv = kv0 + phi_k.transpose(-1, -2) @ v1  # (B, H, F, Dv+1)
-        return _finish(phi_q @ kv, eps), LinearState(kv)
-    off = causal_offset(Lq, Lk)
-    if off > 0:  # keys before the first query's own position: everyone sees them
-        kv0 = kv0 + phi_k[:, :, :off].transpose(-1, -2) @ v1[:, :, :off]
-        phi_k, v1 = phi_k[:, :, off:], v1[:, :, off:]
-    blind = max(0, -off)  # queries before the first key see nothing
-    out, kv = _causal_prefix(phi_q[:, :, blind:], phi_k, v1, kv0, chunk)
-    out = F.pad(out, (0, 0, blind, 0))  # (B, H, Lq, Dv+1)
-    return _finish(out, eps), LinearState(kv)
-
-
 STREAM_BLOCK = 2**20  # non-causal streaming: feature values (all batches and heads) computed at a time
 
 
@@ -160,19 +132,52 @@ def query_blocks(q, fn, width):
     return out
 
 
-def streamed_kernel_attention(q, k, v, phi_q, phi_k, *, key_mask, eps, width):
-    """Non-causal φ(q_i)ᵀS / (φ(q_i)ᵀz + eps) with features made block by block (in cache).
+def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chunk, kv0=None):
+    """The shared engine: normalised kernel attention with feature maps applied block by block.
 
-    ``phi_q(q_block)`` gives features; ``phi_k`` as in :func:`key_state`; ``width`` = F.
-    Same result as :func:`kernel_attention` on whole feature tensors, without the (L, F) ones.
+    q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> ((B, H, Lq, Dv), state or None).
+    ``phi_q(q_block)`` gives features (B, H, n, F); ``phi_k(k_block, mask_block)`` gives
+    ``(features, c)`` as in :func:`key_state` (causal maps return c = None). Features only
+    exist for one block of positions at a time (``width`` = F sets the block), so they stay
+    in cache and no (L, F) tensor is built. Padded keys (key_mask False) contribute nothing;
+    a query that sees no key gets 0. Non-causal: S = Σ φ(k)vᵀ and z = Σ φ(k) streamed, then each query block.
+    Causal: blocks in order, each by chunked prefix sums from the state before it; with
+    Lq != Lk query i sees keys j <= i + Lk - Lq (keys before the first aligned one form
+    the starting state). ``kv0`` continues from a state; the state is returned when causal.
     """
-    S, z = key_state(k, v, phi_k, key_mask, width)
+    if not causal:
+        S, z = key_state(k, v, phi_k, key_mask, width)
 
-    def finish(q_blk):
-        f = phi_q(q_blk)  # (B, H, n, F)
-        return (f @ S) / ((f * z.unsqueeze(-2)).sum(-1, keepdim=True) + eps)  # a matvec is slow in bmm
+        def finish(q_blk):
+            f = phi_q(q_blk)  # (B, H, n, F)
+            return (f @ S) / ((f * z.unsqueeze(-2)).sum(-1, keepdim=True) + eps)  # a matvec is slow in bmm
 
-    return query_blocks(q, finish, width)
+        return query_blocks(q, finish, width), None
+    Lq, Lk = q.shape[2], k.shape[2]
+    off = causal_offset(Lq, Lk)
+    blind, start = max(0, -off), max(0, off)  # queries that see nothing; keys everyone sees
+    rows = chunk * max(1, stream_rows(k, chunk + width) // chunk)  # a block's states stay in cache
+
+    def keys(s, e):  # φ(k) (padding zeroed) and [v, 1] for keys s..e
+        mask = None if key_mask is None else key_mask[:, s:e]
+        f, _ = phi_k(k[:, :, s:e], mask)
+        if mask is not None:
+            f = f.masked_fill(~mask[:, None, :, None], 0.0)
+        return f, _with_ones(v[:, :, s:e])
+
+    kv = kv0
+    for s in range(0, start, rows):  # the keys before the first query's own position
+        f, v1 = keys(s, min(s + rows, start))
+        kv = f.transpose(-1, -2) @ v1 if kv is None else kv + f.transpose(-1, -2) @ v1
+    out = v.new_zeros(*q.shape[:3], v.shape[-1])  # blind queries stay 0
+    for s in range(0, Lq - blind, rows):  # aligned blocks in order, each from the state before it
+        f_k, v1 = keys(start + s, start + min(s + rows, Lq - blind))
+        f_q = phi_q(q[:, :, blind + s:blind + s + rows])
+        if kv is None:
+            kv = f_k.new_zeros(*f_k.shape[:2], f_k.shape[-1], v1.shape[-1])
+        o, kv = _causal_prefix(f_q, f_k, v1, kv, chunk)
+        out[:, :, blind + s:blind + s + o.shape[2]] = _finish(o, eps)
+    return out, LinearState(kv)
 
 
 def kernel_flops(Lq, Lk, Fdim, Dv, causal, chunk) -> float:
@@ -208,11 +213,8 @@ def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=No
     """
     _no_scale("linear", scale)
     phi = _feature_map(opts)
-    if not causal:
-        return streamed_kernel_attention(q, k, v, phi, lambda k_blk, _: (phi(k_blk), None),
-                                         key_mask=key_mask, eps=opts.eps, width=q.shape[-1])
-    out, _ = kernel_attention(phi(q), phi(k), v, causal=causal, key_mask=key_mask, eps=opts.eps,
-                              chunk=opts.chunk)
+    out, _ = kernel_attention(q, k, v, phi, lambda k_blk, _: (phi(k_blk), None), width=q.shape[-1],
+                              causal=causal, key_mask=key_mask, eps=opts.eps, chunk=opts.chunk)
     return out
 
 
@@ -223,8 +225,9 @@ def linear_step(q, k, v, state: LinearState | None = None, opts=LinearOptions())
     sequence one token at a time gives exactly the causal ``linear_attention``.
     """
     phi = _feature_map(opts)
-    return kernel_attention(phi(q), phi(k), v, causal=True, key_mask=None, eps=opts.eps,
-                            chunk=opts.chunk, kv0=None if state is None else state.kv)
+    return kernel_attention(q, k, v, phi, lambda k_blk, _: (phi(k_blk), None), width=q.shape[-1],
+                            causal=True, key_mask=None, eps=opts.eps, chunk=opts.chunk,
+                            kv0=None if state is None else state.kv)
 
 
 def kernel_reference(phi_q, phi_k, v, *, causal, key_mask, eps):

@@ -12,7 +12,6 @@ from attnzoo.mechanisms.linear import (
     kernel_attention,
     kernel_flops,
     kernel_reference,
-    streamed_kernel_attention,
 )
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -43,12 +42,9 @@ def taylor_attention(q, k, v, opts=TaylorOptions(), *, causal=False, key_mask=No
     of ../shared/seeds, which sums over all N keys; we sum over the visible ones).
     """
     _no_scale("taylor", scale)
-    if not causal:
-        return streamed_kernel_attention(q, k, v, taylor_features,
-                                         lambda k_blk, _: (taylor_features(k_blk), None),
-                                         key_mask=key_mask, eps=opts.eps, width=q.shape[-1] + 1)
-    out, _ = kernel_attention(taylor_features(q), taylor_features(k), v, causal=causal,
-                              key_mask=key_mask, eps=opts.eps, chunk=opts.chunk)
+    out, _ = kernel_attention(q, k, v, taylor_features, lambda k_blk, _: (taylor_features(k_blk), None),
+                              width=q.shape[-1] + 1, causal=causal, key_mask=key_mask, eps=opts.eps,
+                              chunk=opts.chunk)
     return out
 
 
