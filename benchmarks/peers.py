@@ -9,7 +9,8 @@
 
 For every pair and length, ours and the peer run on the same inputs (same seed, each in
 its library's layout, converted before the call) and the same configuration, each in a
-fresh process, alternating: ours, peer, then peer, ours (``--rounds``). Each process
+fresh process, alternating: which side goes first alternates from cell to cell and, with
+``--rounds`` > 1, from round to round. Each process
 times forwards under no_grad and forward+backward (inputs and parameters require
 grad, ``out.backward(g)`` for a fixed g), after one warm-up call, and reads the peak
 extra resident memory of one call the way ``attnzoo bench`` does (VmHWM reset after
@@ -227,10 +228,10 @@ PAIRS: dict[str, Pair] = {
                                informer(True), "Informer official ProbAttention, mask_flag",
                                "factor 5, official arithmetic (cumsum(V), ProbMask)"),
     "lsh": Pair("lsh", False, ours_core("lsh", False, shared_qk=True, bucket_size=64, n_hashes=4,
-                                        attend_across_buckets=True),
+                                        attend_across_buckets=True, count_duplicates=False),
                 reformer_lsh, "reformer-pytorch LSHAttention",
-                "shared QK, bucket 64, 4 hashes, n_buckets = L/64, chunk + previous chunk, "
-                "attend across buckets (the peer's default)"),
+                "shared QK, bucket 64, 4 hashes, n_buckets = L/64, chunk + previous chunk; the peer's "
+                "defaults: attend across buckets, duplicates not counted (allow_duplicate_attention)"),
     "linformer": Pair("linformer", False, ours_module("linformer", proj_len=256, max_len=lambda L: L),
                       linformer_module, "linformer LinformerSelfAttention",
                       "k = 256, d_model 512, 8 heads, whole module", scope="module"),
@@ -266,6 +267,8 @@ PAIRS: dict[str, Pair] = {
     "fixed": Pair("fixed", False, ours_core("fixed", False), None),
     "fixed_causal": Pair("fixed", True, ours_core("fixed", True), None),
     "lsh_causal": Pair("lsh", True, ours_core("lsh", True, shared_qk=True), None),
+    "linformer_core": Pair("linformer", False, ours_core("linformer", False), None),
+    "nystrom_core": Pair("nystrom", False, ours_core("nystrom", False, num_landmarks=256), None),
 }
 
 
@@ -392,8 +395,8 @@ def main_parent(args) -> None:
         for n, L in jobs:
             sides = ["ours"] + (["peer"] if PAIRS[n].peer else [])
             runs: dict[str, list[dict]] = {s: [] for s in sides}
-            for r in range(args.rounds):
-                for side in (sides if r % 2 == 0 else sides[::-1]):
+            for r in range(args.rounds):  # who goes first alternates by round and by cell
+                for side in (sides if (r + len(doc["cells"])) % 2 == 0 else sides[::-1]):
                     progress.update(task, description=f"{n} L={L} {side} (round {r + 1})")
                     runs[side].append(run_child(n, side, L, args))
             doc["cells"][f"{n}/{L}"] = {s: merge(runs[s]) for s in sides}
@@ -448,7 +451,7 @@ def report(doc: dict) -> str:
         f"Python {m['python']}; float32 matmul {m['matmul_gflops']} GFLOP/s.",
         "",
         f"Shape: B={B}, H={H}, D={D}, float32; module pairs on x (B, L, {D_MODEL}). Each side runs in a "
-        f"fresh process, alternating (ours, peer, then peer, ours), {doc['rounds']} round(s) of "
+        f"fresh process, the side that goes first alternating from cell to cell, {doc['rounds']} round(s) of "
         f"{doc['repeats']} timed calls after a warm-up; times are medians of all timed calls, memory is "
         "the peak extra resident memory of one call (median over rounds). Ratios are ours / peer: "
         "below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 (≤ 1.0 where the "
@@ -484,7 +487,7 @@ def report(doc: dict) -> str:
         "|---|---|" + "---|---|" * len(lengths),
     ]
     for name, pair in PAIRS.items():
-        if pair.mechanism == "full" or pair.scope != "core":
+        if pair.mechanism == "full" or pair.scope != "core":  # module pairs: see their _core rows
             continue
         row = [name, "yes" if pair.causal else "no"]
         present = False
@@ -517,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 16384])
     ap.add_argument("--only", default="", help="comma-separated pair names (see --list)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of (ours, peer) per length")
+    ap.add_argument("--rounds", type=int, default=1, help="(ours, peer) alternations per length")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per side per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-backward", action="store_true")

@@ -9,7 +9,7 @@ from mechanism_checks import cases, check_against_reference, check_gradcheck, ra
 
 lsh_cases = cases(cross=False, D=(2, 6), bucket_size=st.integers(1, 9), n_hashes=st.integers(1, 4),
                   n_buckets=st.none() | st.sampled_from([1, 2, 4, 6]),
-                  attend_across_buckets=st.booleans())
+                  attend_across_buckets=st.booleans(), count_duplicates=st.booleans())
 
 
 @settings(max_examples=60, deadline=None)
@@ -87,3 +87,12 @@ def test_module_shares_qk_by_default_and_is_reproducible():
     torch.testing.assert_close(other(x), y2)
     separate = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", shared_qk=False)
     assert separate.k_proj is not None and separate(x).shape == x.shape
+
+
+def test_lsh_duplicate_counting_changes_the_weights():
+    """count_duplicates=False (reformer-pytorch's default) weights a key by the rounds it was met in."""
+    q, _, v = random_inputs(1, 2, 32, 32, 8, 8, seed=3)[:3]
+    run = lambda dup: attnzoo.attention(q, q, v, mechanism="lsh", shared_qk=True, bucket_size=4,  # noqa: E731
+                                        n_hashes=4, count_duplicates=dup,
+                                        generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(run(True), run(False))

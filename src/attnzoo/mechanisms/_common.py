@@ -80,9 +80,9 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     B, H, L, D = q.shape
     nb = -(-L // block)
     Lp, span = nb * block, block + left + right
-    q_blk = pad_to(q, Lp).view(B, H, nb, block, D)  # (B, H, nb, block, D)
-    k_win = pad_to(k, Lp + left + right, front=left).unfold(2, span, block)  # (B, H, nb, D, span)
-    v_win = pad_to(v, Lp + left + right, front=left).unfold(2, span, block)  # (B, H, nb, Dv, span)
+    q_blk = pad_to(q * scale, Lp).view(B, H, nb, block, D)  # scaled once here, not each score
+    k_pad = pad_to(k, Lp + left + right, front=left)  # (B, H, Lp + left + right, D)
+    v_pad = pad_to(v, Lp + left + right, front=left)
     kv = None
     if key_valid is not None:
         kv = pad_to(key_valid, Lp + left + right, dim=1, front=left, value=False).unfold(1, span, block)
@@ -90,17 +90,30 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     parts = []
     for g in range(0, nb, group):
         blocks = slice(g, min(g + group, nb))
-        scores = (q_blk[:, :, blocks] @ k_win[:, :, blocks]) * scale  # (B, H, n, block, span)
+        k_win = _windows(k_pad, blocks, block, span)  # (B, H, n, span, D), contiguous
+        scores = q_blk[:, :, blocks] @ k_win.transpose(-1, -2)  # (B, H, n, block, span)
         b = torch.arange(blocks.start, blocks.stop, device=q.device).view(-1, 1, 1)
         i = b * block + torch.arange(block, device=q.device).view(1, block, 1)  # query positions
         j = b * block - left + torch.arange(span, device=q.device)  # (n, 1, span) key positions
         valid = allowed(i, j) & (j >= 0) & (j < L)  # (n, block, span)
         if kv is not None:
             valid = valid & kv[:, None, blocks, None, :]  # (B, 1, n, block, span)
-        parts.append(partial_softmax(scores, valid, v_win[:, :, blocks].transpose(-1, -2)))
+        parts.append(partial_softmax(scores, valid, _windows(v_pad, blocks, block, span)))
     o = torch.cat([o for o, _ in parts], 2).reshape(B, H, Lp, -1)[:, :, :L]
     lse = torch.cat([lse for _, lse in parts], 2).reshape(B, H, Lp)[:, :, :L]
     return o, lse
+
+
+def _windows(t, blocks: slice, block: int, span: int) -> torch.Tensor:
+    """The key windows of query blocks ``blocks``: rows [b·block, b·block + span) of the padded
+    ``t (B, H, N, X)``, copied to one contiguous (B, H, n, span, X) tensor (a strided view
+    multiplies about twice as slowly)."""
+    n = blocks.stop - blocks.start
+    t = t.contiguous()  # the strides below assume it (a no-op for pad_to's fresh tensors)
+    B, H, N, X = t.shape
+    view = t.as_strided((B, H, n, span, X), (H * N * X, N * X, block * X, X, 1),
+                        t.storage_offset() + blocks.start * block * X)
+    return view.contiguous()
 
 
 def window_flops(N: int, *, block: int, left: int, right: int, D: int, Dv: int) -> float:

@@ -35,6 +35,8 @@ class LSHOptions:
     n_buckets: int | None = None  # b (1 or even); None = about L / bucket_size, as in the paper
     attend_across_buckets: bool = False  # True: keys of other buckets inside a chunk are kept
     shared_qk: bool = False  # keys = q/‖q‖ (pass k=q), and no attending to itself if avoidable
+    count_duplicates: bool = True  # the paper's N_ij: a key met in several rounds counts once;
+    # False weights it by the rounds it was met in (reformer-pytorch's allow_duplicate_attention)
 
     def __post_init__(self):
         if self.bucket_size < 1 or self.n_hashes < 1:
@@ -160,7 +162,7 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
             k_blk = _rows(flat_k, rows, j_win[:, :, cs])  # (B, H, n, 2m, D)
             scores = q_blk @ k_blk.transpose(-1, -2)  # (B, H, n, m, 2m)
             valid = _valid(i, j, r, q_code, k_code, key_ok, causal, opts)
-            if opts.n_hashes > 1:
+            if opts.n_hashes > 1 and opts.count_duplicates:
                 scores = scores.sub_(_log_meetings(i, j, r, q_code, k_code, scores.dtype))  # N_ij
             if opts.shared_qk:  # a query's own key is slot m + a of its window (same order)
                 scores[..., m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
@@ -244,33 +246,41 @@ def lsh_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
     return B * H * opts.n_hashes * (hashes + chunks)
 
 
-def lsh_mask(q, k, opts, causal, key_mask, scale, generator):
-    """(B, H, L, L) bool: which keys each query meets in some round (and may attend)."""
+def lsh_meetings(q, k, opts, causal, key_mask, scale, generator):
+    """(B, H, L, L) int: in how many rounds each query meets each key it may attend (0 = never)."""
     keys = _keys_of(q, k, opts)
     B, H, L, _ = q.shape
     q_buckets, k_buckets, q_order, k_order = _buckets_and_order(q, keys, opts, generator)
     m = opts.bucket_size
-    mask = torch.zeros(B, H, L, L, dtype=torch.bool, device=q.device)
+    count = torch.zeros(B, H, L, L, dtype=torch.long, device=q.device)
     for r in range(opts.n_hashes):
         qc = (q_order[:, :, r].argsort(-1) // m)[..., :, None]  # (B, H, L, 1) chunk of query i
         kc = (k_order[:, :, r].argsort(-1) // m)[..., None, :]  # (B, H, 1, L) chunk of key j
-        mask |= _meets(qc, kc, q_buckets[:, :, r, :, None], k_buckets[:, :, r, None, :],
-                       opts.attend_across_buckets)
+        count += _meets(qc, kc, q_buckets[:, :, r, :, None], k_buckets[:, :, r, None, :],
+                        opts.attend_across_buckets)
     if causal:
-        mask &= torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        count *= torch.ones(L, L, dtype=torch.long, device=q.device).tril()
     if key_mask is not None:
-        mask &= key_mask[:, None, None, :]
-    return mask
+        count *= key_mask[:, None, None, :]
+    return count
+
+
+def lsh_mask(q, k, opts, causal, key_mask, scale, generator):
+    """(B, H, L, L) bool: which keys each query meets in some round (and may attend)."""
+    return lsh_meetings(q, k, opts, causal, key_mask, scale, generator) > 0
 
 
 def lsh_reference(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, scale=None,
                   generator=None):
     """Dense softmax over the union of keys met in any round (same draw of rotations)."""
-    mask = lsh_mask(q, k, opts, causal, key_mask, scale, generator)
+    count = lsh_meetings(q, k, opts, causal, key_mask, scale, generator)
     bias = None
+    if not opts.count_duplicates:  # a key met in n rounds weighs n times: + log n
+        bias = count.clamp(min=1).to(q.dtype).log()
     if opts.shared_qk:  # the self penalty on the diagonal
-        bias = -SELF_PENALTY * torch.eye(q.shape[2], dtype=q.dtype, device=q.device)
-    return softmax_reference(q, _keys_of(q, k, opts), v, mask, scale, bias=bias)
+        penalty = -SELF_PENALTY * torch.eye(q.shape[2], dtype=q.dtype, device=q.device)
+        bias = penalty if bias is None else bias + penalty
+    return softmax_reference(q, _keys_of(q, k, opts), v, count > 0, scale, bias=bias)
 
 
 register(
