@@ -26,11 +26,12 @@ def test_fixed_matches_reference(case):
     check_against_reference("fixed", **case)
 
 
-def test_fixed_in_query_chunks(monkeypatch):
-    monkeypatch.setattr(sparse_transformer, "A2_SCORES_PER_CHUNK", 16)  # chunks of 2-3 rows
+@pytest.mark.parametrize("name", ["strided", "fixed"])
+def test_a2_in_chunks(monkeypatch, name):
+    monkeypatch.setattr(sparse_transformer, "A2_SCORES_PER_CHUNK", 16)  # one row / residue at a time
+    options = {"stride": 4, "c": 2} if name == "fixed" else {"stride": 4}
     for causal in (False, True):
-        check_against_reference("fixed", Lq=21, Lk=23, causal=causal, masked=True,
-                                options={"stride": 4, "c": 2})
+        check_against_reference(name, Lq=21, Lk=23, causal=causal, masked=True, options=options)
 
 
 def test_fixed_with_larger_c():

@@ -64,7 +64,7 @@ def pad_to(t: torch.Tensor, length: int, dim: int = 2, front: int = 0, value=0.0
     return F.pad(t, pad, value=value)
 
 
-SCORES_PER_CHUNK = 2**20  # banded attention: scores per (batch, head) computed at a time
+SCORES_PER_CHUNK = 2**20  # scores (all batches and heads) computed at a time: 4 MiB in float32, in cache
 
 
 def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
@@ -74,8 +74,9 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     q (B, H, L, D), k (B, H, L, D), v (B, H, L, Dv), key_valid (B, L) bool or None.
     ``allowed`` takes broadcastable int tensors of query and key positions and
     returns a bool tensor. Cost O(L·(block + left + right)·D), no L×L tensor; query
-    blocks go in groups of about SCORES_PER_CHUNK scores per (batch, head), so a
-    forward's temporaries stay that small. Returns ``(o (B, H, L, Dv), lse (B, H, L))``.
+    blocks go in groups of about SCORES_PER_CHUNK scores over all batches and heads, so
+    the elementwise passes over them run in cache and a forward's temporaries stay that
+    small. Returns ``(o (B, H, L, Dv), lse (B, H, L))``.
     """
     B, H, L, D = q.shape
     nb = -(-L // block)
@@ -86,7 +87,7 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     kv = None
     if key_valid is not None:
         kv = pad_to(key_valid, Lp + left + right, dim=1, front=left, value=False).unfold(1, span, block)
-    group = max(1, SCORES_PER_CHUNK // (block * span))  # query blocks at a time
+    group = max(1, SCORES_PER_CHUNK // (B * H * block * span))  # query blocks at a time
     parts = []
     for g in range(0, nb, group):
         blocks = slice(g, min(g + group, nb))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import pad_to, pattern_reference, softmax_scale, to_frame
+from attnzoo.mechanisms._common import SCORES_PER_CHUNK, pad_to, pattern_reference, softmax_scale, to_frame
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -62,28 +62,39 @@ def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_
     encoders. Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) ->
     (B, H, Lq, Dv); with Lq != Lk the queries are the last Lq positions.
     Cost O(L·(local + log L)·D) time and O(L·(local + log L)) memory: one score per
-    offset from shifted views of K and V, never an L×L mask.
+    offset from shifted views of K and V, never an L×L mask, in blocks of positions
+    that stay in cache.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
     B, H, N, _ = q.shape
     offsets = _signed_offsets(opts, N, causal)
     reach = max(abs(d) for d in offsets)
     k_pad, v_pad = pad_to(k, N + 2 * reach, front=reach), pad_to(v, N + 2 * reach, front=reach)
-    s = softmax_scale(q, scale)
-    scores = torch.stack(
-        [(q * k_pad[:, :, reach - d: reach - d + N]).sum(-1) for d in offsets], -1
-    ) * s  # (B, H, N, n_offsets)
-    i = torch.arange(N, device=q.device)[:, None]
-    j = i - torch.tensor(offsets, device=q.device)  # (N, n_offsets) key positions
-    valid = (j >= 0) & (j < N)
-    if opts.restart is not None:
-        valid = valid & (j // opts.restart == i // opts.restart)
-    if key_valid is not None:
-        valid = valid & key_valid[:, j.clamp(0, N - 1)][:, None]  # (B, 1, N, n_offsets)
-    weights = masked_softmax(scores, valid)  # (B, H, N, n_offsets); rows with no key: zeros
-    out = 0
-    for n, d in enumerate(offsets):
-        out = out + weights[..., n, None] * v_pad[:, :, reach - d: reach - d + N]  # (B, H, N, Dv)
+    q = q * softmax_scale(q, scale)
+    offs = torch.tensor(offsets, device=q.device)
+    rows = max(1, SCORES_PER_CHUNK // (B * H * q.shape[-1]))  # positions a block: it stays in cache
+    out = None
+    for s in range(0, N, rows):
+        e = min(N, s + rows)
+        shifted = [slice(reach - d + s, reach - d + e) for d in offsets]  # keys i - d of the block
+        scores = torch.stack([(q[:, :, s:e] * k_pad[:, :, t]).sum(-1) for t in shifted], -1)  # (B,H,n,off)
+        i = torch.arange(s, e, device=q.device)[:, None]
+        j = i - offs  # (n, n_offsets) key positions
+        valid = (j >= 0) & (j < N)
+        if opts.restart is not None:
+            valid = valid & (j // opts.restart == i // opts.restart)
+        if key_valid is not None:
+            valid = valid & key_valid[:, j.clamp(0, N - 1)][:, None]  # (B, 1, n, n_offsets)
+        weights = masked_softmax(scores, valid)  # rows with no key: zeros
+        block = weights[..., 0, None] * v_pad[:, :, shifted[0]]  # (B, H, n, Dv)
+        for n, t in enumerate(shifted[1:], 1):
+            block = block.addcmul_(weights[..., n, None], v_pad[:, :, t])
+        if e - s == N:
+            out = block
+            break
+        if out is None:
+            out = block.new_empty(B, H, N, block.shape[-1])
+        out[:, :, s:e] = block
     return out[:, :, -Lq:]
 
 

@@ -74,6 +74,9 @@ def _summary_cells(opts: FixedOptions, l: int) -> int:
     return c
 
 
+A2_SCORES_PER_CHUNK = 2**20  # strided's and fixed's A2: scores (all batches and heads) at a time
+
+
 def _by_residue(t: torch.Tensor, l: int) -> torch.Tensor:
     """(B, H, m·l, X) -> (B, H, l, m, X): position a·l + r goes to [r, a]."""
     B, H, Lp, X = t.shape
@@ -89,8 +92,7 @@ def _strided_a2(q, k, v, key_valid, l, causal, include_self, scale):
     B, H, L, _ = q.shape
     m = -(-L // l)
     Lp = m * l
-    qr, kr, vr = (_by_residue(pad_to(t, Lp), l) for t in (q, k, v))  # (B, H, l, m, X)
-    scores = (qr @ kr.transpose(-1, -2)) * scale  # (B, H, l, m, m): rows a_i, columns a_j
+    qr, kr, vr = (_by_residue(pad_to(t, Lp), l) for t in (q * scale, k, v))  # (B, H, l, m, X)
     a = torch.arange(m, device=q.device)
     a_i, a_j = a[:, None], a[None, :]
     valid = (a_j <= a_i) if causal else torch.ones(m, m, dtype=torch.bool, device=q.device)
@@ -101,7 +103,14 @@ def _strided_a2(q, k, v, key_valid, l, causal, include_self, scale):
     if key_valid is not None:
         kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l).transpose(1, 2)  # (B, l, m)
         valid = valid & kv[:, None, :, None, :]  # (B, 1, l, m, m)
-    o, lse = partial_softmax(scores, valid, vr)  # (B, H, l, m, Dv), (B, H, l, m)
+    per = max(1, A2_SCORES_PER_CHUNK // (B * H * m * m))  # residue classes at a time, in cache
+    parts = []
+    for r in range(0, l, per):
+        rs = slice(r, r + per)
+        scores = qr[:, :, rs] @ kr[:, :, rs].transpose(-1, -2)  # (B, H, n, m, m): rows a_i, columns a_j
+        parts.append(partial_softmax(scores, valid[..., rs, :, :], vr[:, :, rs]))
+    o = torch.cat([o for o, _ in parts], 2)  # (B, H, l, m, Dv)
+    lse = torch.cat([lse for _, lse in parts], 2)  # (B, H, l, m)
     o = o.transpose(2, 3).reshape(B, H, Lp, -1)[:, :, :L]
     lse = lse.transpose(2, 3).reshape(B, H, Lp)[:, :, :L]
     return o, lse
@@ -125,15 +134,13 @@ def _fixed_a1(q, k, v, key_valid, l, causal, scale):
     return window_partial(q, k, v, key_valid, block=l, left=0, right=0, allowed=allowed, scale=scale)
 
 
-A2_SCORES_PER_CHUNK = 2**20  # fixed's A2: scores per (batch, head) computed at a time
-
-
 def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
     """Partial over the last c cells of every block: O(L·c·L/l·D) time.
 
     Union mode excludes i's own block (A1 has it); split mode keeps it. Queries go in
-    chunks of A2_SCORES_PER_CHUNK / (c·L/l) rows, so a forward's temporaries stay O(2^20) per
-    (batch, head) rather than O(L·c·L/l) (autograd still keeps each chunk's weights).
+    chunks of A2_SCORES_PER_CHUNK / (B·H·c·L/l) rows, so a forward's temporaries stay
+    O(2^20) and in cache rather than O(L·c·L/l) (autograd still keeps each chunk's weights).
+    Causal: a chunk of queries scores only the cells up to its last query.
     """
     B, H, L, D = q.shape
     m = -(-L // l)
@@ -146,16 +153,19 @@ def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
     if key_valid is not None:
         kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l)[:, :, l - c:].reshape(B, 1, 1, -1)
         key_ok = key_ok & kv  # (B, 1, 1, m·c)
-    rows = max(1, A2_SCORES_PER_CHUNK // (m * c))
+    rows = max(1, A2_SCORES_PER_CHUNK // (B * H * m * c))
+    q = q * scale
     parts = []
     for start in range(0, L, rows):
         q_rows = q[:, :, start:start + rows]
-        scores = (q_rows @ k_sum.transpose(-1, -2)) * scale  # (B, H, rows, m·c)
-        pos_i = torch.arange(start, start + q_rows.shape[2], device=q.device)[:, None]
-        valid = key_ok & ((pos_j <= pos_i) if causal else True)
+        end = q_rows.shape[2] + start
+        cells = min(m, -(-end // l)) * c if causal else m * c  # causal: none after the last query
+        scores = q_rows @ k_sum[:, :, :cells].transpose(-1, -2)  # (B, H, rows, cells)
+        pos_i = torch.arange(start, end, device=q.device)[:, None]
+        valid = key_ok[..., :cells] & ((pos_j[:cells] <= pos_i) if causal else True)
         if not include_own_block:
-            valid = valid & ((pos_j // l) != (pos_i // l))  # (rows, m·c)
-        parts.append(partial_softmax(scores, valid, v_sum))
+            valid = valid & ((pos_j[:cells] // l) != (pos_i // l))  # (rows, cells)
+        parts.append(partial_softmax(scores, valid, v_sum[:, :, :cells]))
     return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
 
 
