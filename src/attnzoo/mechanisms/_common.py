@@ -77,32 +77,107 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     blocks go in groups of about SCORES_PER_CHUNK scores over all batches and heads, so
     the elementwise passes over them run in cache and a forward's temporaries stay that
     small. Returns ``(o (B, H, L, Dv), lse (B, H, L))``.
+
+    In float32 / float64 the backward recomputes each group's weights from q, k, v and
+    the saved lse (as flash attention does), so training keeps O(L·D) rather than every
+    group's weights; half precision goes through autograd.
     """
-    B, H, L, D = q.shape
-    nb = -(-L // block)
-    Lp, span = nb * block, block + left + right
-    q_blk = pad_to(q * scale, Lp).view(B, H, nb, block, D)  # scaled once here, not each score
-    k_pad = pad_to(k, Lp + left + right, front=left)  # (B, H, Lp + left + right, D)
-    v_pad = pad_to(v, Lp + left + right, front=left)
-    kv = None
-    if key_valid is not None:
-        kv = pad_to(key_valid, Lp + left + right, dim=1, front=left, value=False).unfold(1, span, block)
-    group = max(1, SCORES_PER_CHUNK // (B * H * block * span))  # query blocks at a time
-    parts = []
-    for g in range(0, nb, group):
-        blocks = slice(g, min(g + group, nb))
-        k_win = _windows(k_pad, blocks, block, span)  # (B, H, n, span, D), contiguous
-        scores = q_blk[:, :, blocks] @ k_win.transpose(-1, -2)  # (B, H, n, block, span)
-        b = torch.arange(blocks.start, blocks.stop, device=q.device).view(-1, 1, 1)
-        i = b * block + torch.arange(block, device=q.device).view(1, block, 1)  # query positions
-        j = b * block - left + torch.arange(span, device=q.device)  # (n, 1, span) key positions
-        valid = allowed(i, j) & (j >= 0) & (j < L)  # (n, block, span)
-        if kv is not None:
-            valid = valid & kv[:, None, blocks, None, :]  # (B, 1, n, block, span)
-        parts.append(partial_softmax(scores, valid, _windows(v_pad, blocks, block, span)))
-    o = torch.cat([o for o, _ in parts], 2).reshape(B, H, Lp, -1)[:, :, :L]
-    lse = torch.cat([lse for _, lse in parts], 2).reshape(B, H, Lp)[:, :, :L]
-    return o, lse
+    band = _Band(q.shape[2], block, left, right, allowed, key_valid)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        return band.forward(q * scale, k, v)
+    return _BandAttention.apply(q, k, v, band, scale)
+
+
+class _Band:
+    """The geometry of :func:`window_partial`: padding, groups of query blocks, validity."""
+
+    def __init__(self, L, block, left, right, allowed, key_valid):
+        self.L, self.block, self.left, self.right, self.allowed = L, block, left, right, allowed
+        self.nb = -(-L // block)
+        self.Lp, self.span = self.nb * block, block + left + right
+        self.kv = None
+        if key_valid is not None:
+            self.kv = pad_to(key_valid, self.Lp + left + right, dim=1, front=left,
+                             value=False).unfold(1, self.span, block)  # (B, nb, span)
+
+    def pad_q(self, t):  # (B, H, L, X) -> (B, H, nb, block, X)
+        return pad_to(t, self.Lp).view(*t.shape[:2], self.nb, self.block, -1)
+
+    def pad_k(self, t):  # (B, H, L, X) -> (B, H, Lp + left + right, X)
+        return pad_to(t, self.Lp + self.left + self.right, front=self.left)
+
+    def groups(self, B, H):
+        group = max(1, SCORES_PER_CHUNK // (B * H * self.block * self.span))  # query blocks at a time
+        return [slice(g, min(g + group, self.nb)) for g in range(0, self.nb, group)]
+
+    def valid(self, blocks, device):
+        """(n, block, span) or (B, 1, n, block, span) bool: which window keys a query may attend."""
+        b = torch.arange(blocks.start, blocks.stop, device=device).view(-1, 1, 1)
+        i = b * self.block + torch.arange(self.block, device=device).view(1, self.block, 1)
+        j = b * self.block - self.left + torch.arange(self.span, device=device)  # (n, 1, span)
+        valid = self.allowed(i, j) & (j >= 0) & (j < self.L)
+        if self.kv is not None:
+            valid = valid & self.kv[:, None, blocks, None, :]
+        return valid
+
+    def key_rows(self, blocks, device):
+        """Row of the padded keys of every window slot of ``blocks``: (n·span,)."""
+        b = torch.arange(blocks.start, blocks.stop, device=device).view(-1, 1)
+        return (b * self.block + torch.arange(self.span, device=device)).reshape(-1)
+
+    def forward(self, q_scaled, k, v):
+        B, H = q_scaled.shape[:2]
+        q_blk, k_pad, v_pad = self.pad_q(q_scaled), self.pad_k(k), self.pad_k(v)
+        parts = []
+        for blocks in self.groups(B, H):
+            scores = q_blk[:, :, blocks] @ _windows(k_pad, blocks, self.block, self.span).transpose(-1, -2)
+            parts.append(partial_softmax(scores, self.valid(blocks, q_scaled.device),
+                                         _windows(v_pad, blocks, self.block, self.span)))
+        o = torch.cat([o for o, _ in parts], 2).reshape(B, H, self.Lp, -1)[:, :, :self.L]
+        lse = torch.cat([lse for _, lse in parts], 2).reshape(B, H, self.Lp)[:, :, :self.L]
+        return o, lse
+
+
+class _BandAttention(torch.autograd.Function):
+    """window_partial with a backward that recomputes the weights group by group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, band, scale):
+        o, lse = band.forward(q * scale, k, v)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.band, ctx.scale = band, scale
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, o, lse = ctx.saved_tensors
+        band, scale = ctx.band, ctx.scale
+        B, H, L, D = q.shape
+        grad_o = torch.zeros_like(o) if grad_o is None else grad_o
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+        # d lse / d s = p and d o / d s = p (dP − rowsum(dO·o)): one per-row term for both
+        seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
+        row = torch.where(seen, grad_lse - (grad_o * o).sum(-1), 0.0).unsqueeze(-1)  # (B, H, L, 1)
+        safe_lse = torch.where(seen, lse, torch.inf).unsqueeze(-1)  # exp(s - inf) = 0 on empty rows
+        q_blk, g_blk = band.pad_q(q * scale), band.pad_q(grad_o)
+        row_blk, lse_blk = band.pad_q(row), band.pad_q(safe_lse)
+        k_pad, v_pad = band.pad_k(k), band.pad_k(v)
+        dq = torch.empty_like(q_blk)
+        dk, dv = torch.zeros_like(k_pad), torch.zeros_like(v_pad)
+        for blocks in band.groups(B, H):
+            k_win = _windows(k_pad, blocks, band.block, band.span)  # (B, H, n, span, D)
+            v_win = _windows(v_pad, blocks, band.block, band.span)
+            scores = q_blk[:, :, blocks] @ k_win.transpose(-1, -2)  # (B, H, n, block, span)
+            scores.masked_fill_(band.valid(blocks, q.device).logical_not(), float("-inf"))
+            p = scores.sub_(lse_blk[:, :, blocks]).exp_()  # the weights; empty rows 0
+            g = g_blk[:, :, blocks]  # (B, H, n, block, Dv)
+            ds = (g @ v_win.transpose(-1, -2)).add_(row_blk[:, :, blocks]).mul_(p)  # d scores
+            dq[:, :, blocks] = ds @ k_win
+            rows = band.key_rows(blocks, q.device)
+            dk.index_add_(2, rows, (ds.transpose(-1, -2) @ q_blk[:, :, blocks]).flatten(2, 3))
+            dv.index_add_(2, rows, (p.transpose(-1, -2) @ g).flatten(2, 3))
+        keys = slice(band.left, band.left + L)
+        return (dq.flatten(2, 3)[:, :, :L] * scale, dk[:, :, keys], dv[:, :, keys], None, None)
 
 
 def _windows(t, blocks: slice, block: int, span: int) -> torch.Tensor:
