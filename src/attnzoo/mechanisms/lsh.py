@@ -154,6 +154,9 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
         qi = pad_to(q_order[:, :, r], Lp, value=-1).view(B, H, nc, m)  # sorted slot -> position, -1 pad
         kj = pad_to(k_order[:, :, r], Lp + m, front=m, value=-1)  # a padded chunk before chunk 0
         j_win = kj.unfold(2, 2 * m, m)  # (B, H, nc, 2m): keys of the chunk before and the chunk
+        if not opts.attend_across_buckets:
+            lo, hi = _bucket_slots(q_buckets[:, :, r], k_buckets[:, :, r], k_order[:, :, r], causal)
+            lo, hi = (pad_to(_take_int(t, q_order[:, :, r]), Lp).view(B, H, nc, m, 1) for t in (lo, hi))
         parts = []
         for c in range(0, nc, group):
             cs = slice(c, min(c + group, nc))
@@ -161,7 +164,14 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
             q_blk = _rows(flat_q, rows, qi[:, :, cs])  # (B, H, n, m, D)
             k_blk = _rows(flat_k, rows, j_win[:, :, cs])  # (B, H, n, 2m, D)
             scores = q_blk @ k_blk.transpose(-1, -2)  # (B, H, n, m, 2m)
-            valid = _valid(i, j, r, q_code, k_code, key_ok, causal, opts)
+            if opts.attend_across_buckets:
+                valid = _valid(i, j, key_ok, causal)
+            else:  # the query's bucket (up to itself if causal) is a run of window slots
+                first = (torch.arange(cs.start, cs.stop, device=q.device).view(-1, 1, 1) - 1) * m
+                w = torch.arange(2 * m, device=q.device) + first  # (n, 1, 2m) sorted key slot
+                valid = (w >= lo[:, :, cs]) & (w <= hi[:, :, cs])
+                if key_ok is not None:
+                    valid = valid & _take_int(key_ok, j)
             if opts.n_hashes > 1 and opts.count_duplicates:
                 scores = scores.sub_(_log_meetings(i, j, r, q_code, k_code, scores.dtype))  # N_ij
             if opts.shared_qk:  # a query's own key is slot m + a of its window (same order)
@@ -201,16 +211,28 @@ def _gather_code(code, r, idx):
     return _take_int(code[:, :, r], idx)
 
 
-def _valid(i, j, r, q_code, k_code, key_ok, causal, opts):
-    """Which window keys a sorted query may attend: real, unmasked, same bucket, causal."""
+def _valid(i, j, key_ok, causal):
+    """Which window keys a sorted query may attend, across buckets: real, unmasked, causal."""
     valid = j >= 0  # (B, H, n, 1, 2m)
     if key_ok is not None:
         valid = valid & _take_int(key_ok, j)
-    if not opts.attend_across_buckets:  # same bucket: in the window chunks differ by 0 or 1 already
-        valid = valid & ((_gather_code(q_code, r, i) - _gather_code(k_code, r, j)) >> 1 == 0)
     if causal:
         valid = valid & (j <= i)
     return valid
+
+
+def _bucket_slots(q_bucket, k_bucket, k_order, causal):
+    """(lo, hi), each (B, H, L) by query position: the sorted key slots of the query's bucket
+    (causal: only keys up to its position). Keys are sorted by (bucket, position), so they
+    are one run of slots."""
+    L = k_order.shape[-1]
+    positions = torch.arange(L, device=k_order.device)
+    k_sorted = torch.gather(k_bucket * L + positions, -1, k_order)  # ascending codes
+    start = q_bucket * L
+    lo = torch.searchsorted(k_sorted, start)
+    end = start + positions if causal else start + L - 1  # the last code the query may see
+    hi = torch.searchsorted(k_sorted, end, right=True) - 1
+    return lo, hi
 
 
 def _log_meetings(i, j, r, q_code, k_code, dtype):
