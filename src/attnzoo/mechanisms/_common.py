@@ -67,129 +67,135 @@ def pad_to(t: torch.Tensor, length: int, dim: int = 2, front: int = 0, value=0.0
 SCORES_PER_CHUNK = 2**20  # scores (all batches and heads) computed at a time: 4 MiB in float32, in cache
 
 
+def attend_blocks(q_flat, k_flat, v_flat, plan):
+    """Softmax attention over gathered blocks: the shared core of the banded mechanisms and LSH.
+
+    ``q_flat`` (R, D) (already scaled), ``k_flat`` (R', D), ``v_flat`` (R', Dv) are rows; for
+    each group g of ``plan.groups`` the queries ``plan.q_rows(g)`` (B, H, n, block) attend the
+    keys ``plan.k_rows(g)`` (B, H, n, span), and ``plan.prepare(scores, g)`` adjusts the scores
+    in place (biases) and returns which keys are valid. Groups hold about SCORES_PER_CHUNK
+    scores, so every pass over them runs in cache. Returns ``(o (B, H, slots, Dv),
+    lse (B, H, slots))``, the query slots in group order.
+
+    In float32 / float64 the backward recomputes each group's weights from the rows and the
+    saved lse (as flash attention does), so training keeps O(rows·D), not every group's
+    weights; half precision goes through autograd.
+    """
+    if q_flat.dtype in (torch.float16, torch.bfloat16):
+        return _blocks_forward(q_flat, k_flat, v_flat, plan)
+    return _BlockAttention.apply(q_flat, k_flat, v_flat, plan)
+
+
+def _rows(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` (any shape) of ``flat (R, X)``: (*idx.shape, X)."""
+    return flat.index_select(0, idx.reshape(-1)).view(*idx.shape, flat.shape[-1])
+
+
+def _blocks_forward(q_flat, k_flat, v_flat, plan):
+    parts = []
+    for g in plan.groups:
+        k_rows = plan.k_rows(g)
+        scores = _rows(q_flat, plan.q_rows(g)) @ _rows(k_flat, k_rows).transpose(-1, -2)  # (B,H,n,block,span)
+        parts.append(partial_softmax(scores, plan.prepare(scores, g), _rows(v_flat, k_rows)))
+    o = torch.cat([o for o, _ in parts], 2)  # (B, H, n_all, block, Dv)
+    lse = torch.cat([lse for _, lse in parts], 2)
+    return o.flatten(2, 3), lse.flatten(2, 3)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """attend_blocks with a backward that recomputes the weights group by group."""
+
+    @staticmethod
+    def forward(ctx, q_flat, k_flat, v_flat, plan):
+        o, lse = _blocks_forward(q_flat, k_flat, v_flat, plan)
+        ctx.save_for_backward(q_flat, k_flat, v_flat, o, lse)
+        ctx.plan = plan
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q_flat, k_flat, v_flat, o, lse = ctx.saved_tensors
+        plan = ctx.plan
+        grad_o = torch.zeros_like(o) if grad_o is None else grad_o
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+        seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
+        # d lse / d s = p and d o / d s = p (dP − rowsum(dO·o)): one per-row term for both
+        row = torch.where(seen, grad_lse - (grad_o * o).sum(-1), 0.0)  # (B, H, slots)
+        safe_lse = torch.where(seen, lse, torch.inf)  # exp(s − inf) = 0 on empty rows
+        dq, dk, dv = torch.zeros_like(q_flat), torch.zeros_like(k_flat), torch.zeros_like(v_flat)
+        start = 0
+        for g in plan.groups:
+            q_rows, k_rows = plan.q_rows(g), plan.k_rows(g)  # (B, H, n, block), (B, H, n, span)
+            n, block = q_rows.shape[2:]
+            slots = slice(start, start + n * block)
+            start += n * block
+            q_g, k_g, v_g = _rows(q_flat, q_rows), _rows(k_flat, k_rows), _rows(v_flat, k_rows)
+            scores = q_g @ k_g.transpose(-1, -2)  # (B, H, n, block, span)
+            valid = plan.prepare(scores, g)
+            if valid is not None:
+                scores.masked_fill_(valid.logical_not(), float("-inf"))
+            p = scores.sub_(safe_lse[:, :, slots].unflatten(2, (n, block)).unsqueeze(-1)).exp_()
+            g_o = grad_o[:, :, slots].unflatten(2, (n, block))  # (B, H, n, block, Dv)
+            ds = (g_o @ v_g.transpose(-1, -2)).add_(row[:, :, slots].unflatten(2, (n, block)).unsqueeze(-1))
+            ds.mul_(p)  # d scores
+            dq.index_add_(0, q_rows.reshape(-1), (ds @ k_g).flatten(0, -2))
+            dk.index_add_(0, k_rows.reshape(-1), (ds.transpose(-1, -2) @ q_g).flatten(0, -2))
+            dv.index_add_(0, k_rows.reshape(-1), (p.transpose(-1, -2) @ g_o).flatten(0, -2))
+        return dq, dk, dv, None
+
+
 def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     """Blocked windowed attention: query block b of ``block`` rows sees keys
     [b·block − left, (b+1)·block + right), further restricted by ``allowed(i, j)``.
 
     q (B, H, L, D), k (B, H, L, D), v (B, H, L, Dv), key_valid (B, L) bool or None.
     ``allowed`` takes broadcastable int tensors of query and key positions and
-    returns a bool tensor. Cost O(L·(block + left + right)·D), no L×L tensor; query
-    blocks go in groups of about SCORES_PER_CHUNK scores over all batches and heads, so
-    the elementwise passes over them run in cache and a forward's temporaries stay that
-    small. Returns ``(o (B, H, L, Dv), lse (B, H, L))``.
-
-    In float32 / float64 the backward recomputes each group's weights from q, k, v and
-    the saved lse (as flash attention does), so training keeps O(L·D) rather than every
-    group's weights; half precision goes through autograd.
+    returns a bool tensor. Cost O(L·(block + left + right)·D), no L×L tensor: query
+    blocks go in groups through :func:`attend_blocks` (in cache; recomputed in the
+    backward). Returns ``(o (B, H, L, Dv), lse (B, H, L))``.
     """
-    band = _Band(q.shape[2], block, left, right, allowed, key_valid)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        return band.forward(q * scale, k, v)
-    return _BandAttention.apply(q, k, v, band, scale)
+    B, H, L, D = q.shape
+    band = _Band(B, H, L, block, left, right, allowed, key_valid, q.device)
+    q_flat = pad_to(q * scale, band.Lp).reshape(-1, D)  # scaled once here, not each score
+    k_flat = pad_to(k, band.Nk, front=left).reshape(B * H * band.Nk, -1)
+    v_flat = pad_to(v, band.Nk, front=left).reshape(B * H * band.Nk, -1)
+    o, lse = attend_blocks(q_flat, k_flat, v_flat, band)
+    return o[:, :, :L], lse[:, :, :L]
 
 
 class _Band:
-    """The geometry of :func:`window_partial`: padding, groups of query blocks, validity."""
+    """The plan of :func:`window_partial` for :func:`attend_blocks`: padded rows, groups of
+    query blocks, and which window keys each query may attend."""
 
-    def __init__(self, L, block, left, right, allowed, key_valid):
-        self.L, self.block, self.left, self.right, self.allowed = L, block, left, right, allowed
-        self.nb = -(-L // block)
-        self.Lp, self.span = self.nb * block, block + left + right
+    def __init__(self, B, H, L, block, left, right, allowed, key_valid, device):
+        self.L, self.block, self.left, self.allowed, self.device = L, block, left, allowed, device
+        nb = -(-L // block)
+        self.Lp, self.span = nb * block, block + left + right
+        self.Nk = self.Lp + left + right  # padded keys: left before, right after
+        self.bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
         self.kv = None
         if key_valid is not None:
-            self.kv = pad_to(key_valid, self.Lp + left + right, dim=1, front=left,
-                             value=False).unfold(1, self.span, block)  # (B, nb, span)
+            self.kv = pad_to(key_valid, self.Nk, dim=1, front=left, value=False).unfold(1, self.span, block)
+        group = max(1, SCORES_PER_CHUNK // (B * H * block * self.span))  # query blocks at a time
+        self.groups = [range(g, min(g + group, nb)) for g in range(0, nb, group)]
 
-    def pad_q(self, t):  # (B, H, L, X) -> (B, H, nb, block, X)
-        return pad_to(t, self.Lp).view(*t.shape[:2], self.nb, self.block, -1)
+    def _starts(self, g):
+        return torch.tensor(g, device=self.device).view(-1, 1) * self.block  # (n, 1)
 
-    def pad_k(self, t):  # (B, H, L, X) -> (B, H, Lp + left + right, X)
-        return pad_to(t, self.Lp + self.left + self.right, front=self.left)
+    def q_rows(self, g):
+        return self.bh * self.Lp + self._starts(g) + torch.arange(self.block, device=self.device)
 
-    def groups(self, B, H):
-        group = max(1, SCORES_PER_CHUNK // (B * H * self.block * self.span))  # query blocks at a time
-        return [slice(g, min(g + group, self.nb)) for g in range(0, self.nb, group)]
+    def k_rows(self, g):
+        return self.bh * self.Nk + self._starts(g) + torch.arange(self.span, device=self.device)
 
-    def valid(self, blocks, device):
+    def prepare(self, scores, g):
         """(n, block, span) or (B, 1, n, block, span) bool: which window keys a query may attend."""
-        b = torch.arange(blocks.start, blocks.stop, device=device).view(-1, 1, 1)
-        i = b * self.block + torch.arange(self.block, device=device).view(1, self.block, 1)
-        j = b * self.block - self.left + torch.arange(self.span, device=device)  # (n, 1, span)
-        valid = self.allowed(i, j) & (j >= 0) & (j < self.L)
+        i = self._starts(g).unsqueeze(-1) + torch.arange(self.block, device=self.device).view(-1, 1)
+        j = self._starts(g).unsqueeze(-1) - self.left + torch.arange(self.span, device=self.device)
+        valid = self.allowed(i, j) & (j >= 0) & (j < self.L)  # (n, block, span)
         if self.kv is not None:
-            valid = valid & self.kv[:, None, blocks, None, :]
+            valid = valid & self.kv[:, None, g.start:g.stop, None, :]
         return valid
-
-    def key_rows(self, blocks, device):
-        """Row of the padded keys of every window slot of ``blocks``: (n·span,)."""
-        b = torch.arange(blocks.start, blocks.stop, device=device).view(-1, 1)
-        return (b * self.block + torch.arange(self.span, device=device)).reshape(-1)
-
-    def forward(self, q_scaled, k, v):
-        B, H = q_scaled.shape[:2]
-        q_blk, k_pad, v_pad = self.pad_q(q_scaled), self.pad_k(k), self.pad_k(v)
-        parts = []
-        for blocks in self.groups(B, H):
-            scores = q_blk[:, :, blocks] @ _windows(k_pad, blocks, self.block, self.span).transpose(-1, -2)
-            parts.append(partial_softmax(scores, self.valid(blocks, q_scaled.device),
-                                         _windows(v_pad, blocks, self.block, self.span)))
-        o = torch.cat([o for o, _ in parts], 2).reshape(B, H, self.Lp, -1)[:, :, :self.L]
-        lse = torch.cat([lse for _, lse in parts], 2).reshape(B, H, self.Lp)[:, :, :self.L]
-        return o, lse
-
-
-class _BandAttention(torch.autograd.Function):
-    """window_partial with a backward that recomputes the weights group by group."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, band, scale):
-        o, lse = band.forward(q * scale, k, v)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.band, ctx.scale = band, scale
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, grad_o, grad_lse):
-        q, k, v, o, lse = ctx.saved_tensors
-        band, scale = ctx.band, ctx.scale
-        B, H, L, D = q.shape
-        grad_o = torch.zeros_like(o) if grad_o is None else grad_o
-        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
-        # d lse / d s = p and d o / d s = p (dP − rowsum(dO·o)): one per-row term for both
-        seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
-        row = torch.where(seen, grad_lse - (grad_o * o).sum(-1), 0.0).unsqueeze(-1)  # (B, H, L, 1)
-        safe_lse = torch.where(seen, lse, torch.inf).unsqueeze(-1)  # exp(s - inf) = 0 on empty rows
-        q_blk, g_blk = band.pad_q(q * scale), band.pad_q(grad_o)
-        row_blk, lse_blk = band.pad_q(row), band.pad_q(safe_lse)
-        k_pad, v_pad = band.pad_k(k), band.pad_k(v)
-        dq = torch.empty_like(q_blk)
-        dk, dv = torch.zeros_like(k_pad), torch.zeros_like(v_pad)
-        for blocks in band.groups(B, H):
-            k_win = _windows(k_pad, blocks, band.block, band.span)  # (B, H, n, span, D)
-            v_win = _windows(v_pad, blocks, band.block, band.span)
-            scores = q_blk[:, :, blocks] @ k_win.transpose(-1, -2)  # (B, H, n, block, span)
-            scores.masked_fill_(band.valid(blocks, q.device).logical_not(), float("-inf"))
-            p = scores.sub_(lse_blk[:, :, blocks]).exp_()  # the weights; empty rows 0
-            g = g_blk[:, :, blocks]  # (B, H, n, block, Dv)
-            ds = (g @ v_win.transpose(-1, -2)).add_(row_blk[:, :, blocks]).mul_(p)  # d scores
-            dq[:, :, blocks] = ds @ k_win
-            rows = band.key_rows(blocks, q.device)
-            dk.index_add_(2, rows, (ds.transpose(-1, -2) @ q_blk[:, :, blocks]).flatten(2, 3))
-            dv.index_add_(2, rows, (p.transpose(-1, -2) @ g).flatten(2, 3))
-        keys = slice(band.left, band.left + L)
-        return (dq.flatten(2, 3)[:, :, :L] * scale, dk[:, :, keys], dv[:, :, keys], None, None)
-
-
-def _windows(t, blocks: slice, block: int, span: int) -> torch.Tensor:
-    """The key windows of query blocks ``blocks``: rows [b·block, b·block + span) of the padded
-    ``t (B, H, N, X)``, copied to one contiguous (B, H, n, span, X) tensor (a strided view
-    multiplies about twice as slowly)."""
-    n = blocks.stop - blocks.start
-    t = t.contiguous()  # the strides below assume it (a no-op for pad_to's fresh tensors)
-    B, H, N, X = t.shape
-    view = t.as_strided((B, H, n, span, X), (H * N * X, N * X, block * X, X, 1),
-                        t.storage_offset() + blocks.start * block * X)
-    return view.contiguous()
 
 
 def window_flops(N: int, *, block: int, left: int, right: int, D: int, Dv: int) -> float:

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from attnzoo.mechanisms._common import (
     SCORES_PER_CHUNK,
+    attend_blocks,
     merge_partials,
     pad_to,
-    partial_softmax,
     softmax_scale,
 )
 from attnzoo.mechanisms.full import softmax_reference
@@ -140,56 +140,65 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     keys = _keys_of(q, k, opts)
     B, H, L, D = q.shape
     m = opts.bucket_size
-    nc = -(-L // m)
-    Lp = nc * m
     q_buckets, k_buckets, q_order, k_order = _buckets_and_order(q, keys, opts, generator)
     q_code, k_code = _meeting_codes(q_buckets, q_order, m, opts), _meeting_codes(k_buckets, k_order, m, opts)
-    rows = torch.arange(B * H, device=q.device).view(B, H, 1) * L  # row offset of each (batch, head)
     flat_q = (q * softmax_scale(q, scale)).reshape(B * H * L, D)
     flat_k, flat_v = keys.reshape(B * H * L, D), v.reshape(B * H * L, -1)
-    key_ok = None if key_mask is None else key_mask[:, None].expand(B, H, L)
-    group = max(1, SCORES_PER_CHUNK // (B * H * 2 * m * m))  # chunks a group: scores stay in cache
     out = None
     for r in range(opts.n_hashes):
-        qi = pad_to(q_order[:, :, r], Lp, value=-1).view(B, H, nc, m)  # sorted slot -> position, -1 pad
-        kj = pad_to(k_order[:, :, r], Lp + m, front=m, value=-1)  # a padded chunk before chunk 0
-        j_win = kj.unfold(2, 2 * m, m)  # (B, H, nc, 2m): keys of the chunk before and the chunk
-        if not opts.attend_across_buckets:
-            lo, hi = _bucket_slots(q_buckets[:, :, r], k_buckets[:, :, r], k_order[:, :, r], causal)
-            lo, hi = (pad_to(_take_int(t, q_order[:, :, r]), Lp).view(B, H, nc, m, 1) for t in (lo, hi))
-        parts = []
-        for c in range(0, nc, group):
-            cs = slice(c, min(c + group, nc))
-            i, j = qi[:, :, cs, :, None], j_win[:, :, cs, None, :]  # (B, H, n, m, 1), (B, H, n, 1, 2m)
-            q_blk = _rows(flat_q, rows, qi[:, :, cs])  # (B, H, n, m, D)
-            k_blk = _rows(flat_k, rows, j_win[:, :, cs])  # (B, H, n, 2m, D)
-            scores = q_blk @ k_blk.transpose(-1, -2)  # (B, H, n, m, 2m)
-            if opts.attend_across_buckets:
-                valid = _valid(i, j, key_ok, causal)
-            else:  # the query's bucket (up to itself if causal) is a run of window slots
-                first = (torch.arange(cs.start, cs.stop, device=q.device).view(-1, 1, 1) - 1) * m
-                w = torch.arange(2 * m, device=q.device) + first  # (n, 1, 2m) sorted key slot
-                valid = (w >= lo[:, :, cs]) & (w <= hi[:, :, cs])
-                if key_ok is not None:
-                    valid = valid & _take_int(key_ok, j)
-            if opts.n_hashes > 1 and opts.count_duplicates:
-                scores = scores.sub_(_log_meetings(i, j, r, q_code, k_code, scores.dtype))  # N_ij
-            if opts.shared_qk:  # a query's own key is slot m + a of its window (same order)
-                scores[..., m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
-            parts.append(partial_softmax(scores, valid, _rows(flat_v, rows, j_win[:, :, cs])))
-        o = torch.cat([o for o, _ in parts], 2).view(B, H, Lp, -1)[:, :, :L]  # sorted slots
-        lse = torch.cat([lse for _, lse in parts], 2).view(B, H, Lp)[:, :, :L]
+        plan = _Round(r, q_buckets, k_buckets, q_order, k_order, q_code, k_code, key_mask, causal, opts)
+        o, lse = attend_blocks(flat_q, flat_k, flat_v, plan)  # (B, H, Lp, Dv), (B, H, Lp): sorted slots
         pos = q_order[:, :, r]
+        o, lse = o[:, :, :L], lse[:, :, :L]
         o = o.new_empty(o.shape).scatter(2, pos[..., None].expand_as(o), o)  # back to positions
         lse = lse.new_empty(lse.shape).scatter(2, pos, lse)
         out = (o, lse) if out is None else merge_partials([out, (o, lse)])
     return out[0].to(q.dtype)
 
 
-def _rows(flat: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows of ``flat (B·H·L, X)`` at positions ``idx (B, H, ...)`` (-1 gives position 0): (B, H, ..., X)."""
-    glob = idx.clamp(min=0) + rows.view(*rows.shape, *([1] * (idx.dim() - 3)))
-    return flat.index_select(0, glob.reshape(-1)).view(*idx.shape, flat.shape[-1])
+class _Round:
+    """One hash round as a plan for :func:`attend_blocks`: sorted chunks of queries, each seeing
+    its chunk and the one before, with validity, the N_ij correction and the self penalty."""
+
+    def __init__(self, r, q_buckets, k_buckets, q_order, k_order, q_code, k_code, key_mask, causal, opts):
+        B, H, _, L = q_order.shape
+        m = opts.bucket_size
+        nc = -(-L // m)
+        self.r, self.m, self.causal, self.opts, self.q_code, self.k_code = r, m, causal, opts, q_code, k_code
+        self.bh = torch.arange(B * H, device=q_order.device).view(B, H, 1, 1) * L  # row offsets
+        self.qi = pad_to(q_order[:, :, r], nc * m, value=-1).view(B, H, nc, m)  # slot -> position, -1 pad
+        kj = pad_to(k_order[:, :, r], (nc + 1) * m, front=m, value=-1)  # a padded chunk before chunk 0
+        self.j_win = kj.unfold(2, 2 * m, m)  # (B, H, nc, 2m): keys of the chunk before and the chunk
+        self.key_ok = None if key_mask is None else key_mask[:, None].expand(B, H, L)
+        if not opts.attend_across_buckets:
+            lo, hi = _bucket_slots(q_buckets[:, :, r], k_buckets[:, :, r], k_order[:, :, r], causal)
+            self.lo, self.hi = (pad_to(_take_int(t, q_order[:, :, r]), nc * m).view(B, H, nc, m, 1)
+                                for t in (lo, hi))
+        group = max(1, SCORES_PER_CHUNK // (B * H * 2 * m * m))  # chunks a group: scores stay in cache
+        self.groups = [slice(c, min(c + group, nc)) for c in range(0, nc, group)]
+
+    def q_rows(self, cs):
+        return self.bh + self.qi[:, :, cs].clamp(min=0)  # (B, H, n, m); padding reads row 0
+
+    def k_rows(self, cs):
+        return self.bh + self.j_win[:, :, cs].clamp(min=0)  # (B, H, n, 2m)
+
+    def prepare(self, scores, cs):
+        i, j = self.qi[:, :, cs, :, None], self.j_win[:, :, cs, None, :]  # (B, H, n, m, 1), (B, H, n, 1, 2m)
+        m, opts = self.m, self.opts
+        if opts.attend_across_buckets:
+            valid = _valid(i, j, self.key_ok, self.causal)
+        else:  # the query's bucket (up to itself if causal) is a run of window slots
+            w = torch.arange(2 * m, device=scores.device) + (
+                torch.arange(cs.start, cs.stop, device=scores.device).view(-1, 1, 1) - 1) * m  # (n, 1, 2m)
+            valid = (w >= self.lo[:, :, cs]) & (w <= self.hi[:, :, cs])
+            if self.key_ok is not None:
+                valid = valid & _take_int(self.key_ok, j)
+        if opts.n_hashes > 1 and opts.count_duplicates:  # the N_ij correction
+            scores.sub_(_log_meetings(i, j, self.r, self.q_code, self.k_code, scores.dtype))
+        if opts.shared_qk:  # a query's own key is slot m + a of its window (same order)
+            scores[..., m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
+        return valid
 
 
 def _meeting_codes(buckets, order, m, opts):
