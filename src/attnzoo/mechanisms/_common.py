@@ -120,7 +120,7 @@ class _BlockAttention(torch.autograd.Function):
         grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
         seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
         # d lse / d s = p and d o / d s = p (dP − rowsum(dO·o)): one per-row term for both
-        row = torch.where(seen, grad_lse - (grad_o * o).sum(-1), 0.0)  # (B, H, slots)
+        row = torch.where(seen, grad_lse - torch.linalg.vecdot(grad_o, o), 0.0)  # (B, H, slots)
         safe_lse = torch.where(seen, lse, torch.inf)  # exp(s − inf) = 0 on empty rows
         dq, dk, dv = torch.zeros_like(q_flat), torch.zeros_like(k_flat), torch.zeros_like(v_flat)
         start = 0

@@ -150,7 +150,8 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
 
         def finish(q_blk):
             f = phi_q(q_blk)  # (B, H, n, F)
-            return (f @ S) / ((f * z.unsqueeze(-2)).sum(-1, keepdim=True) + eps)  # a matvec is slow in bmm
+            den = torch.linalg.vecdot(f, z.unsqueeze(-2)).unsqueeze(-1)  # φ(q)·z (a matvec in bmm is slow)
+            return (f @ S) / (den + eps)
 
         return query_blocks(q, finish, width), None
     Lq, Lk = q.shape[2], k.shape[2]

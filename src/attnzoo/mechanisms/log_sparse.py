@@ -77,7 +77,8 @@ def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_
     for s in range(0, N, rows):
         e = min(N, s + rows)
         shifted = [slice(reach - d + s, reach - d + e) for d in offsets]  # keys i - d of the block
-        scores = torch.stack([(q[:, :, s:e] * k_pad[:, :, t]).sum(-1) for t in shifted], -1)  # (B,H,n,off)
+        q_blk = q[:, :, s:e]
+        scores = torch.stack([torch.linalg.vecdot(q_blk, k_pad[:, :, t]) for t in shifted], -1)  # (B,H,n,off)
         i = torch.arange(s, e, device=q.device)[:, None]
         j = i - offs  # (n, n_offsets) key positions
         valid = (j >= 0) & (j < N)

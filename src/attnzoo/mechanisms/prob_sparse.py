@@ -104,7 +104,7 @@ def _sampled_measure(q, k, index, Lk, opts):
         q_chunk = q_rows[:, rows]  # (B, C, H, D)
         for u in range(U_part):
             k_sample = k_rows.index_select(0, index[:, rows, u].flatten()).view(q_chunk.shape)
-            score = (q_chunk * k_sample).sum(-1)  # (B, C, H)
+            score = torch.linalg.vecdot(q_chunk, k_sample)  # (B, C, H); no product temporary
             torch.maximum(top[:, rows], score, out=top[:, rows])
             total[:, rows] += score
     divisor = Lk if opts.variant == "official" else U_part
