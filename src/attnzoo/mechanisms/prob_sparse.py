@@ -76,9 +76,10 @@ def lazy_values(v, *, causal, key_mask, Lq, variant):
     if not causal:
         count = visible_key_count(1, Lk, causal=False, key_mask=key_mask, device=v.device)  # (B|1,1,1)
         return (v.sum(2, keepdim=True) / count[..., None].clamp(min=1)).expand(B, H, Lq, Dv)
-    prefix = v.cumsum(2)  # (B, H, Lk, Dv)
-    last = torch.arange(Lq, device=v.device) + causal_offset(Lq, Lk)  # last visible key of each query
-    out = prefix[:, :, last.clamp(0, Lk - 1)] * (last >= 0)[:, None].to(v.dtype)  # (B, H, Lq, Dv)
+    out = v.cumsum(2)  # (B, H, Lk, Dv): with Lq = Lk, query i's visible prefix is row i
+    if Lq != Lk:
+        last = torch.arange(Lq, device=v.device) + causal_offset(Lq, Lk)  # last visible key of each query
+        out = out[:, :, last.clamp(0, Lk - 1)] * (last >= 0)[:, None].to(v.dtype)  # (B, H, Lq, Dv)
     if variant == "official":
         return out
     count = visible_key_count(Lq, Lk, causal=True, key_mask=key_mask, device=v.device)  # (B|1, 1, Lq)
@@ -94,7 +95,7 @@ def _sampled_measure(q, k, index, Lk, opts):
     """
     B, H, Lq, D = q.shape
     U_part = index.shape[-1]
-    k_rows = k.transpose(1, 2).reshape(B * Lk, H, D)  # (B·Lk, H, D): one row = a key, every head
+    k_rows = k.transpose(1, 2).reshape(B * Lk, H * D)  # a row = a key, all heads (2-D: fast index_select)
     q_rows = q.transpose(1, 2).contiguous()  # (B, Lq, H, D)
     index = index.expand(B, -1, -1) + (torch.arange(B, device=q.device) * Lk)[:, None, None]
     top = torch.full((B, Lq, H), float("-inf"), dtype=q.dtype, device=q.device)
@@ -162,7 +163,10 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
             valid = valid & key_mask[:, None, None, :]
     active_out, _ = partial_softmax(scores, valid, v)  # (B, H, u, Dv)
     out = lazy_values(v, causal=causal, key_mask=key_mask, Lq=Lq, variant=opts.variant)
-    return out.scatter(2, top[..., None].expand(-1, -1, -1, v.shape[-1]), active_out.to(out.dtype))
+    rows = top[..., None].expand(-1, -1, -1, v.shape[-1])
+    if causal:  # a fresh tensor that autograd does not need again: overwrite the active rows in place
+        return out.scatter_(2, rows, active_out.to(out.dtype))
+    return out.scatter(2, rows, active_out.to(out.dtype))
 
 
 def prob_sparse_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
