@@ -66,37 +66,86 @@ def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_
     that stay in cache.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
-    B, H, N, _ = q.shape
+    N = q.shape[2]
     offsets = _signed_offsets(opts, N, causal)
     reach = max(abs(d) for d in offsets)
     k_pad, v_pad = pad_to(k, N + 2 * reach, front=reach), pad_to(v, N + 2 * reach, front=reach)
+    plan = _Offsets(offsets, reach, N, opts.restart, key_valid)
     q = q * softmax_scale(q, scale)
-    offs = torch.tensor(offsets, device=q.device)
-    rows = max(1, SCORES_PER_CHUNK // (B * H * q.shape[-1]))  # positions a block: it stays in cache
-    out = None
-    for s in range(0, N, rows):
-        e = min(N, s + rows)
-        shifted = [slice(reach - d + s, reach - d + e) for d in offsets]  # keys i - d of the block
-        q_blk = q[:, :, s:e]
-        scores = torch.stack([torch.linalg.vecdot(q_blk, k_pad[:, :, t]) for t in shifted], -1)  # (B,H,n,off)
-        i = torch.arange(s, e, device=q.device)[:, None]
-        j = i - offs  # (n, n_offsets) key positions
-        valid = (j >= 0) & (j < N)
-        if opts.restart is not None:
-            valid = valid & (j // opts.restart == i // opts.restart)
-        if key_valid is not None:
-            valid = valid & key_valid[:, j.clamp(0, N - 1)][:, None]  # (B, 1, n, n_offsets)
-        weights = masked_softmax(scores, valid)  # rows with no key: zeros
-        block = weights[..., 0, None] * v_pad[:, :, shifted[0]]  # (B, H, n, Dv)
-        for n, t in enumerate(shifted[1:], 1):
-            block = block.addcmul_(weights[..., n, None], v_pad[:, :, t])
-        if e - s == N:
-            out = block
-            break
-        if out is None:
-            out = block.new_empty(B, H, N, block.shape[-1])
-        out[:, :, s:e] = block
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out = plan.forward(q, k_pad, v_pad)  # through autograd
+    else:
+        out = _OffsetAttention.apply(q, k_pad, v_pad, plan)
     return out[:, :, -Lq:]
+
+
+class _Offsets:
+    """log_sparse's computation: for blocks of positions that stay in cache, one score per
+    offset d from the shifted keys (i − d), a softmax over the offsets, and the weighted
+    shifted values. ``k_pad``, ``v_pad`` carry ``reach`` zero rows on both sides."""
+
+    def __init__(self, offsets, reach, N, restart, key_valid):
+        self.offsets, self.reach, self.N, self.restart, self.key_valid = offsets, reach, N, restart, key_valid
+
+    def blocks(self, B, H, D):
+        rows = max(1, SCORES_PER_CHUNK // (B * H * D))  # positions a block
+        for s in range(0, self.N, rows):
+            e = min(self.N, s + rows)
+            yield s, e, [slice(self.reach - d + s, self.reach - d + e) for d in self.offsets]
+
+    def weights(self, q_blk, k_pad, s, e, shifted):
+        """(B, H, n, n_offsets) softmax over the offsets of the block's queries; rows with no key 0."""
+        scores = torch.stack([torch.linalg.vecdot(q_blk, k_pad[:, :, t]) for t in shifted], -1)
+        i = torch.arange(s, e, device=q_blk.device)[:, None]
+        j = i - torch.tensor(self.offsets, device=q_blk.device)  # (n, n_offsets) key positions
+        valid = (j >= 0) & (j < self.N)
+        if self.restart is not None:
+            valid = valid & (j // self.restart == i // self.restart)
+        if self.key_valid is not None:
+            valid = valid & self.key_valid[:, j.clamp(0, self.N - 1)][:, None]  # (B, 1, n, n_offsets)
+        return masked_softmax(scores, valid)
+
+    def forward(self, q, k_pad, v_pad):
+        B, H, N, D = q.shape
+        out = q.new_empty(B, H, N, v_pad.shape[-1])
+        for s, e, shifted in self.blocks(B, H, D):
+            w = self.weights(q[:, :, s:e], k_pad, s, e, shifted)
+            block = w[..., 0, None] * v_pad[:, :, shifted[0]]  # (B, H, n, Dv)
+            for n, t in enumerate(shifted[1:], 1):
+                block = block.addcmul_(w[..., n, None], v_pad[:, :, t])
+            out[:, :, s:e] = block
+        return out
+
+
+class _OffsetAttention(torch.autograd.Function):
+    """log_sparse with a backward that recomputes each block's weights and adds the gradients
+    of the shifted keys and values into place (autograd would zero-fill a padded copy for
+    every offset and block)."""
+
+    @staticmethod
+    def forward(ctx, q, k_pad, v_pad, plan):
+        ctx.save_for_backward(q, k_pad, v_pad)
+        ctx.plan = plan
+        return plan.forward(q, k_pad, v_pad)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_pad, v_pad = ctx.saved_tensors
+        plan = ctx.plan
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k_pad), torch.zeros_like(v_pad)
+        for s, e, shifted in plan.blocks(*q.shape[:2], q.shape[-1]):
+            q_blk, g = q[:, :, s:e], grad_out[:, :, s:e]
+            w = plan.weights(q_blk, k_pad, s, e, shifted)  # (B, H, n, n_offsets)
+            dw = torch.stack([torch.linalg.vecdot(g, v_pad[:, :, t]) for t in shifted], -1)
+            ds = w * (dw - (w * dw).sum(-1, keepdim=True))  # softmax backward
+            dq_blk = ds[..., 0, None] * k_pad[:, :, shifted[0]]
+            for n, t in enumerate(shifted):
+                if n:
+                    dq_blk.addcmul_(ds[..., n, None], k_pad[:, :, t])
+                dk[:, :, t].addcmul_(ds[..., n, None], q_blk)
+                dv[:, :, t].addcmul_(w[..., n, None], g)
+            dq[:, :, s:e] = dq_blk
+        return dq, dk, dv, None
 
 
 def log_sparse_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
