@@ -1,0 +1,63 @@
+"""benchmarks/peers.py: our side of every pair runs, and the report's ratios and targets are right.
+
+The peers themselves are an optional install (`make peers`), so CI runs only our side.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks" / "peers.py")
+peers = importlib.util.module_from_spec(spec)
+sys.modules["peers"] = peers  # dataclasses look their module up
+spec.loader.exec_module(peers)
+
+
+@pytest.mark.parametrize("pair", sorted(peers.PAIRS))
+def test_our_side_of_every_pair_runs(pair):
+    result = peers.child(pair, "ours", 40, repeats=1, backward=True, threads=1)
+    assert result["status"] == "ok" and result["bwd_status"] == "ok", result
+    assert len(result["fwd_s"]) == 1 and result["fwdbwd_s"][0] > 0
+
+
+def test_child_process_prints_one_result():
+    argv = ["--child", "linear", "ours", "33", "--repeats", "2", "--no-backward"]
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers.py"), *argv],
+                         capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT:"))
+    assert result["status"] == "ok" and len(result["fwd_s"]) == 2 and "fwdbwd_s" not in result
+
+
+def _doc(cells):
+    machine = {"cpu": "test", "cores": 2, "threads": 2, "torch": "2.13.0", "python": "3.11",
+               "matmul_gflops": 100.0}
+    return {"created": "now", "command": "peers.py", "wall_s": 1, "machine": machine,
+            "lengths": [4096, 16384], "repeats": 3, "rounds": 1, "cells": cells}
+
+
+def _side(fwd, mib):
+    return {"status": "ok", "fwd_s": fwd, "fwdbwd_s": 3 * fwd, "fwd_mib": mib, "fwdbwd_mib": 2 * mib}
+
+
+def test_report_ratios_and_targets():
+    cells = {
+        "full/4096": {"ours": _side(0.30, 9), "peer": _side(0.29, 9)},  # 1.03: within 5% of SDPA
+        "full/16384": {"ours": _side(4.4, 33), "peer": _side(4.0, 33)},  # 1.10: not
+        "efficient/16384": {"ours": _side(0.05, 40), "peer": _side(0.11, 96)},  # 0.45 ✓, 0.42 ✓
+        "lsh/16384": {"ours": _side(1.2, 300), "peer": _side(2.0, 1600)},  # 0.60 ✗ in time
+        "log_sparse/16384": {"ours": _side(0.2, 200)},
+    }
+    text = peers.report(_doc(cells))
+    full = [line for line in text.splitlines() if line.startswith("| full | torch SDPA |")]
+    assert "1.03 ✓" in full[0] and "1.10 ✗" in full[1]
+    efficient = next(line for line in text.splitlines() if line.startswith("| efficient |"))
+    assert "0.45 ✓" in efficient and "0.42 ✓" in efficient
+    lsh = next(line for line in text.splitlines() if line.startswith("| lsh | reformer"))
+    assert "0.60 ✗" in lsh and "0.19 ✓" in lsh  # memory 300 / 1600
+    vs_sdpa = next(line for line in text.splitlines() if line.startswith("| log_sparse | no"))
+    assert "0.05 ✓" in vs_sdpa  # 0.2 s against SDPA's 4.0 s at 16384: ≤ 0.2
