@@ -79,7 +79,7 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
     return out, kv0 + chunk_kv.sum(2)
 
 
-STREAM_BLOCK = 2**20  # non-causal streaming: feature values (all batches and heads) computed at a time
+STREAM_BLOCK = 2**18  # feature values (all batches and heads) computed at a time: 1 MiB in float32
 
 
 def stream_rows(t: torch.Tensor, width: int) -> int:
@@ -97,13 +97,13 @@ def key_state(k, v, phi_k, key_mask, width):
     (``key_mask`` False) contribute nothing.
     """
     rows = stream_rows(k, width)
+    masks = [None] * -(-k.shape[2] // rows) if key_mask is None else key_mask.split(rows, 1)
     S = z = c = None
-    for s in range(0, k.shape[2], rows):
-        mask = None if key_mask is None else key_mask[:, s:s + rows]
-        feat, c_blk = phi_k(k[:, :, s:s + rows], mask)  # (B, H, n, F)
+    for k_blk, v_blk, mask in zip(k.split(rows, 2), v.split(rows, 2), masks, strict=True):  # see _sizes
+        feat, c_blk = phi_k(k_blk, mask)  # (B, H, n, F)
         if mask is not None:  # a fill, not a product: a padded key's feature may overflow
             feat = feat.masked_fill(~mask[:, None, :, None], 0.0)
-        S_blk, z_blk = feat.transpose(-1, -2) @ v[:, :, s:s + rows], feat.sum(2)
+        S_blk, z_blk = feat.transpose(-1, -2) @ v_blk, feat.sum(2)
         if S is None:
             S, z, c = S_blk, z_blk, c_blk
         elif c is None:
@@ -119,16 +119,34 @@ def key_state(k, v, phi_k, key_mask, width):
 
 
 def query_blocks(q, fn, width):
-    """``fn(q_block)`` over blocks of queries, written into one (B, H, Lq, X) output (no concatenation)."""
-    rows, Lq = stream_rows(q, width), q.shape[2]
-    out = None
-    for s in range(0, Lq, rows):
-        blk = fn(q[:, :, s:s + rows])  # (B, H, n, X)
-        if rows >= Lq:
+    """``fn(q_block)`` over blocks of queries, joined along the sequence by :func:`join_blocks`."""
+    return join_blocks((fn(q_blk) for q_blk in q.split(stream_rows(q, width), 2)), q.shape[2])
+
+
+def _sizes(n: int, rows: int) -> list[int]:
+    """Block sizes covering n positions, for ``torch.split``: its backward joins the blocks'
+    gradients in one pass, where slicing each block would zero-fill a whole-size gradient
+    per block."""
+    return [min(rows, n - s) for s in range(0, n, rows)]
+
+
+def join_blocks(blocks, total):
+    """Blocks (B, H, n_i, X) in sequence order (Σ n_i = total) joined into (B, H, total, X).
+
+    Under autograd they are concatenated: writing them into slices of one tensor would
+    make the backward clone the whole gradient once per block. Without it each goes into
+    one preallocated tensor as it comes, so only one block is alive beside the output.
+    """
+    if torch.is_grad_enabled():
+        return torch.cat(list(blocks), 2)
+    out, s = None, 0
+    for blk in blocks:
+        if blk.shape[2] == total:
             return blk
         if out is None:
-            out = blk.new_empty(*blk.shape[:2], Lq, blk.shape[-1])
-        out[:, :, s:s + rows] = blk
+            out = blk.new_empty(*blk.shape[:2], total, blk.shape[-1])
+        out[:, :, s:s + blk.shape[2]] = blk
+        s += blk.shape[2]
     return out
 
 
@@ -158,27 +176,36 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     off = causal_offset(Lq, Lk)
     blind, start = max(0, -off), max(0, off)  # queries that see nothing; keys everyone sees
     rows = chunk * max(1, stream_rows(k, chunk + width) // chunk)  # a block's states stay in cache
+    before, aligned = _sizes(start, rows), _sizes(Lq - blind, rows)
+    k_parts, v_parts = k.split(before + aligned, 2), v.split(before + aligned, 2)
+    m_parts = [None] * len(k_parts) if key_mask is None else key_mask.split(before + aligned, 1)
 
-    def keys(s, e):  # φ(k) (padding zeroed) and [v, 1] for keys s..e
-        mask = None if key_mask is None else key_mask[:, s:e]
-        f, _ = phi_k(k[:, :, s:e], mask)
-        if mask is not None:
-            f = f.masked_fill(~mask[:, None, :, None], 0.0)
-        return f, _with_ones(v[:, :, s:e])
+    def keys(n):  # φ(k) (padding zeroed) and [v, 1] for key piece n
+        f, _ = phi_k(k_parts[n], m_parts[n])
+        if m_parts[n] is not None:
+            f = f.masked_fill(~m_parts[n][:, None, :, None], 0.0)
+        return f, _with_ones(v_parts[n])
 
     kv = kv0
-    for s in range(0, start, rows):  # the keys before the first query's own position
-        f, v1 = keys(s, min(s + rows, start))
+    for n in range(len(before)):  # the keys before the first query's own position
+        f, v1 = keys(n)
         kv = f.transpose(-1, -2) @ v1 if kv is None else kv + f.transpose(-1, -2) @ v1
-    out = v.new_zeros(*q.shape[:3], v.shape[-1])  # blind queries stay 0
-    for s in range(0, Lq - blind, rows):  # aligned blocks in order, each from the state before it
-        f_k, v1 = keys(start + s, start + min(s + rows, Lq - blind))
-        f_q = phi_q(q[:, :, blind + s:blind + s + rows])
-        if kv is None:
-            kv = f_k.new_zeros(*f_k.shape[:2], f_k.shape[-1], v1.shape[-1])
-        o, kv = _causal_prefix(f_q, f_k, v1, kv, chunk)
-        out[:, :, blind + s:blind + s + o.shape[2]] = _finish(o, eps)
-    return out, LinearState(kv)
+    state = [kv]
+    q_parts = q.split([blind] + aligned, 2)
+
+    def blocks():
+        if blind:  # queries before the first key see nothing
+            yield v.new_zeros(*q.shape[:2], blind, v.shape[-1])
+        for n in range(len(aligned)):  # aligned blocks in order, each from the state before it
+            f_k, v1 = keys(len(before) + n)
+            f_q = phi_q(q_parts[1 + n])
+            if state[0] is None:
+                state[0] = f_k.new_zeros(*f_k.shape[:2], f_k.shape[-1], v1.shape[-1])
+            o, state[0] = _causal_prefix(f_q, f_k, v1, state[0], chunk)
+            yield _finish(o, eps)
+
+    out = join_blocks(blocks(), Lq)
+    return out, LinearState(state[0])
 
 
 def kernel_flops(Lq, Lk, Fdim, Dv, causal, chunk) -> float:

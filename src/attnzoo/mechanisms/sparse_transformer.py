@@ -105,10 +105,11 @@ def _strided_a2(q, k, v, key_valid, l, causal, include_self, scale):
         valid = valid & kv[:, None, :, None, :]  # (B, 1, l, m, m)
     per = max(1, A2_SCORES_PER_CHUNK // (B * H * m * m))  # residue classes at a time, in cache
     parts = []
-    for r in range(0, l, per):
-        rs = slice(r, r + per)
-        scores = qr[:, :, rs] @ kr[:, :, rs].transpose(-1, -2)  # (B, H, n, m, m): rows a_i, columns a_j
-        parts.append(partial_softmax(scores, valid[..., rs, :, :], vr[:, :, rs]))
+    # split, not slices: the backward then joins the pieces' gradients in one pass
+    for n, (q_r, k_r, v_r) in enumerate(zip(qr.split(per, 2), kr.split(per, 2), vr.split(per, 2),
+                                            strict=True)):
+        scores = q_r @ k_r.transpose(-1, -2)  # (B, H, n, m, m): rows a_i, columns a_j
+        parts.append(partial_softmax(scores, valid[..., n * per:(n + 1) * per, :, :], v_r))
     o = torch.cat([o for o, _ in parts], 2)  # (B, H, l, m, Dv)
     lse = torch.cat([lse for _, lse in parts], 2)  # (B, H, l, m)
     o = o.transpose(2, 3).reshape(B, H, Lp, -1)[:, :, :L]
@@ -156,8 +157,8 @@ def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
     rows = max(1, A2_SCORES_PER_CHUNK // (B * H * m * c))
     q = q * scale
     parts = []
-    for start in range(0, L, rows):
-        q_rows = q[:, :, start:start + rows]
+    for n, q_rows in enumerate(q.split(rows, 2)):  # split, not slices: one pass joins their gradients
+        start = n * rows
         end = q_rows.shape[2] + start
         cells = min(m, -(-end // l)) * c if causal else m * c  # causal: none after the last query
         scores = q_rows @ k_sum[:, :, :cells].transpose(-1, -2)  # (B, H, rows, cells)
