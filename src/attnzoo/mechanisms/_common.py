@@ -91,12 +91,18 @@ def _rows(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, idx.reshape(-1)).view(*idx.shape, flat.shape[-1])
 
 
+def _prepare(plan, scores, g):
+    """The plan's validity for group g, or None when every key is valid (no masking pass)."""
+    valid = plan.prepare(scores, g)
+    return None if valid is None or bool(valid.all()) else valid
+
+
 def _blocks_forward(q_flat, k_flat, v_flat, plan):
     parts = []
     for g in plan.groups:
         k_rows = plan.k_rows(g)
         scores = _rows(q_flat, plan.q_rows(g)) @ _rows(k_flat, k_rows).transpose(-1, -2)  # (B,H,n,block,span)
-        parts.append(partial_softmax(scores, plan.prepare(scores, g), _rows(v_flat, k_rows)))
+        parts.append(partial_softmax(scores, _prepare(plan, scores, g), _rows(v_flat, k_rows)))
     o = torch.cat([o for o, _ in parts], 2)  # (B, H, n_all, block, Dv)
     lse = torch.cat([lse for _, lse in parts], 2)
     return o.flatten(2, 3), lse.flatten(2, 3)
@@ -131,7 +137,7 @@ class _BlockAttention(torch.autograd.Function):
             start += n * block
             q_g, k_g, v_g = _rows(q_flat, q_rows), _rows(k_flat, k_rows), _rows(v_flat, k_rows)
             scores = q_g @ k_g.transpose(-1, -2)  # (B, H, n, block, span)
-            valid = plan.prepare(scores, g)
+            valid = _prepare(plan, scores, g)
             if valid is not None:
                 scores.masked_fill_(valid.logical_not(), float("-inf"))
             p = scores.sub_(safe_lse[:, :, slots].unflatten(2, (n, block)).unsqueeze(-1)).exp_()
