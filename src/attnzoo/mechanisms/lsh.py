@@ -256,11 +256,6 @@ def _log_meetings(i, j, r, q_code, k_code, dtype):
     return count.to(dtype).log1p_()
 
 
-def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t (B, H, L, X) gathered along L at idx (B, H, n) (-1 = padding, gives row 0)."""
-    return torch.gather(t, 2, idx.clamp(min=0)[..., None].expand(-1, -1, -1, t.shape[-1]))
-
-
 def _take_int(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """t (B, H, L) gathered at idx (B, H, ...) of any trailing shape (-1 = padding)."""
     flat = idx.clamp(min=0).reshape(*idx.shape[:2], -1)
