@@ -304,9 +304,6 @@ def measure_side(case: Case, repeats: int, backward: bool) -> dict:
 
 
 def child(pair: str, side: str, L: int, repeats: int, backward: bool, threads: int) -> dict:
-    import resource
-    cap = 20 * 2**30
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     torch.set_num_threads(threads)
     p = PAIRS[pair]
     try:
@@ -541,6 +538,9 @@ def main(argv: list[str] | None = None) -> None:
             label = p.peer_label or '(SDPA only)'
             print(f"{n:20s} {'causal' if p.causal else '      '} {p.scope:6s} {label}")
     elif args.child:
+        import resource
+        cap = 20 * 2**30  # an allocation past it fails as an exception, not the kernel's OOM killer
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
         pair, side, L = args.child
         result = child(pair, side, int(L), args.repeats, not args.no_backward, args.threads)
         print("RESULT:" + json.dumps(result), flush=True)
