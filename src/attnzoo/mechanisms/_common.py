@@ -20,6 +20,11 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
+def finite_or_zero(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with ±inf and nan replaced by 0: a safe shift for rows or blocks with no real key."""
+    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+
+
 def wide(t: torch.Tensor) -> torch.Tensor:
     """float16 / bfloat16 up to float32 (softmax and its sums accumulate there); others as they are."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
@@ -38,7 +43,7 @@ def partial_softmax(scores: torch.Tensor, valid: torch.Tensor | None, v: torch.T
     if valid is not None:
         scores = scores.masked_fill_(valid.logical_not(), float("-inf"))
     m = scores.detach().amax(-1, keepdim=True)  # (..., R, 1)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty rows: exp(-inf) = 0 below
+    m = finite_or_zero(m)  # empty rows: exp(-inf) = 0 below
     weights = scores.sub_(m).exp_()
     total = weights.sum(-1, keepdim=True)  # >= 1 where a key is valid: the max gives exp(0)
     o = (weights @ v) / total.clamp(min=1.0)  # (..., R, Dv); empty rows 0 / 1
@@ -50,7 +55,7 @@ def merge_partials(parts):
     lse = parts[0][1]
     for _, part_lse in parts[1:]:
         lse = torch.logaddexp(lse, part_lse)
-    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    safe_lse = finite_or_zero(lse)
     out = 0
     for o, part_lse in parts:
         out = out + torch.exp(part_lse - safe_lse).unsqueeze(-1) * o

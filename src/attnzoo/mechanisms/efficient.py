@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnzoo.mechanisms._common import finite_or_zero
 from attnzoo.mechanisms.linear import _no_scale, key_state, query_blocks
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -19,7 +20,7 @@ def _column_exp(k_blk, mask):
     """exp(k − c) for a block of keys, c (B, H, 1, D) the block's per-feature max over real keys."""
     real = k_blk if mask is None else k_blk.masked_fill(~mask[:, None, :, None], float("-inf"))
     c = real.amax(2, keepdim=True)
-    return torch.exp(k_blk - torch.where(torch.isfinite(c), c, torch.zeros_like(c))), c
+    return torch.exp(k_blk - finite_or_zero(c)), c
 
 
 def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,

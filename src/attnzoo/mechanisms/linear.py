@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.masks import causal_offset, dense_mask
+from attnzoo.mechanisms._common import finite_or_zero
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -100,9 +101,7 @@ def key_state(k, v, phi_k, key_mask, width):
     masks = [None] * -(-k.shape[2] // rows) if key_mask is None else key_mask.split(rows, 1)
     S = z = c = None
     for k_blk, v_blk, mask in zip(k.split(rows, 2), v.split(rows, 2), masks, strict=True):  # see _sizes
-        feat, c_blk = phi_k(k_blk, mask)  # (B, H, n, F)
-        if mask is not None:  # a fill, not a product: a padded key's feature may overflow
-            feat = feat.masked_fill(~mask[:, None, :, None], 0.0)
+        feat, c_blk = _key_features(phi_k, k_blk, mask)  # (B, H, n, F)
         S_blk, z_blk = feat.transpose(-1, -2) @ v_blk, feat.sum(2)
         if S is None:
             S, z, c = S_blk, z_blk, c_blk
@@ -110,12 +109,26 @@ def key_state(k, v, phi_k, key_mask, width):
             S, z = S + S_blk, z + z_blk
         else:
             new = torch.maximum(c, c_blk)
-            safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+            safe = finite_or_zero(new)
             a, a_blk = torch.exp(c - safe), torch.exp(c_blk - safe)  # (B, H, 1, F or 1)
             S = S * a.transpose(-1, -2) + S_blk * a_blk.transpose(-1, -2)
             z = z * a.squeeze(2) + z_blk * a_blk.squeeze(2)
             c = new
     return S, z
+
+
+def _key_features(phi_k, k_blk, mask):
+    """``phi_k(k_blk, mask)`` with padded keys' features set to 0 (a fill, not a product: a
+    padded key's feature may overflow)."""
+    feat, c = phi_k(k_blk, mask)
+    if mask is not None:
+        feat = feat.masked_fill(~mask[:, None, :, None], 0.0)
+    return feat, c
+
+
+def plain_key_map(phi):
+    """A key feature map for :func:`kernel_attention` from a plain φ: no block constant."""
+    return lambda k_blk, mask: (phi(k_blk), None)
 
 
 def query_blocks(q, fn, width):
@@ -181,10 +194,7 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     m_parts = [None] * len(k_parts) if key_mask is None else key_mask.split(before + aligned, 1)
 
     def keys(n):  # φ(k) (padding zeroed) and [v, 1] for key piece n
-        f, _ = phi_k(k_parts[n], m_parts[n])
-        if m_parts[n] is not None:
-            f = f.masked_fill(~m_parts[n][:, None, :, None], 0.0)
-        return f, _with_ones(v_parts[n])
+        return _key_features(phi_k, k_parts[n], m_parts[n])[0], _with_ones(v_parts[n])
 
     kv = kv0
     for n in range(len(before)):  # the keys before the first query's own position
@@ -241,8 +251,8 @@ def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=No
     """
     _no_scale("linear", scale)
     phi = _feature_map(opts)
-    out, _ = kernel_attention(q, k, v, phi, lambda k_blk, _: (phi(k_blk), None), width=q.shape[-1],
-                              causal=causal, key_mask=key_mask, eps=opts.eps, chunk=opts.chunk)
+    out, _ = kernel_attention(q, k, v, phi, plain_key_map(phi), width=q.shape[-1], causal=causal,
+                              key_mask=key_mask, eps=opts.eps, chunk=opts.chunk)
     return out
 
 
@@ -253,8 +263,8 @@ def linear_step(q, k, v, state: LinearState | None = None, opts=LinearOptions())
     sequence one token at a time gives exactly the causal ``linear_attention``.
     """
     phi = _feature_map(opts)
-    return kernel_attention(q, k, v, phi, lambda k_blk, _: (phi(k_blk), None), width=q.shape[-1],
-                            causal=True, key_mask=None, eps=opts.eps, chunk=opts.chunk,
+    return kernel_attention(q, k, v, phi, plain_key_map(phi), width=q.shape[-1], causal=True,
+                            key_mask=None, eps=opts.eps, chunk=opts.chunk,
                             kv0=None if state is None else state.kv)
 
 

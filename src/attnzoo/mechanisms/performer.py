@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import softmax_scale
+from attnzoo.mechanisms._common import finite_or_zero, softmax_scale
 from attnzoo.mechanisms.linear import (
     kernel_attention,
     kernel_flops,
@@ -71,13 +71,19 @@ def favor_features(x: torch.Tensor, W: torch.Tensor, scale: float, *, stabilise:
     keeps it finite).
     """
     logits = favor_logits(x, W, scale)
-    c = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    c = None
     if stabilise == "row":
         c = logits.amax(-1, keepdim=True)
     elif stabilise == "all":
         c = key_constant(logits, key_mask)
-        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-    return torch.exp_(logits - (c + 0.5 * math.log(W.shape[0])))  # the 1/√m inside the exp
+    return favor_exp(logits, c)
+
+
+def favor_exp(logits: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    """exp(logits − c) / √m (the 1/√m inside the exp); c None = 0, and a non-finite c (no real
+    key) counts as 0."""
+    shift = 0.5 * math.log(logits.shape[-1])
+    return torch.exp_(logits - (shift if c is None else finite_or_zero(c) + shift))
 
 
 def _features(q, opts, generator):
@@ -111,8 +117,7 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     def phi_k(k_blk, mask):  # causal: c = 0, so no future key sets it; else each block's constant
         logits = favor_logits(k_blk, W, s)
         c = None if causal else key_constant(logits, mask)
-        safe = 0.0 if c is None else torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-        return torch.exp_(logits - (safe + 0.5 * math.log(W.shape[0]))), c
+        return favor_exp(logits, c), c
 
     out, _ = kernel_attention(q, k, v, lambda q_blk: favor_features(q_blk, W, s, stabilise="row"), phi_k,
                               width=W.shape[0], causal=causal, key_mask=key_mask, eps=opts.eps,
