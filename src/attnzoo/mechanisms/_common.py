@@ -84,7 +84,9 @@ def attend_blocks(q_flat, k_flat, v_flat, plan):
 
     In float32 / float64 the backward recomputes each group's weights from the rows and the
     saved lse (as flash attention does), so training keeps O(rows·D), not every group's
-    weights; half precision goes through autograd.
+    weights; half precision goes through autograd. A plan whose ``fused_forward(q_flat,
+    k_flat, v_flat)`` returns ``(o, lse)`` (rather than None) has its forward computed that
+    way, by a fused kernel; the backward is the same.
     """
     if q_flat.dtype in (torch.float16, torch.bfloat16):
         return _blocks_forward(q_flat, k_flat, v_flat, plan)
@@ -118,7 +120,7 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_flat, k_flat, v_flat, plan):
-        o, lse = _blocks_forward(q_flat, k_flat, v_flat, plan)
+        o, lse = plan.fused_forward(q_flat, k_flat, v_flat) or _blocks_forward(q_flat, k_flat, v_flat, plan)
         ctx.save_for_backward(q_flat, k_flat, v_flat, o, lse)
         ctx.plan = plan
         return o, lse
@@ -161,9 +163,12 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
 
     q (B, H, L, D), k (B, H, L, D), v (B, H, L, Dv), key_valid (B, L) bool or None.
     ``allowed`` takes broadcastable int tensors of query and key positions and
-    returns a bool tensor. Cost O(L·(block + left + right)·D), no L×L tensor: query
-    blocks go in groups through :func:`attend_blocks` (in cache; recomputed in the
-    backward). Returns ``(o (B, H, L, Dv), lse (B, H, L))``.
+    returns a bool tensor; it must depend on i and j only through i − j and i mod block
+    (a band, the same in every block). Cost O(L·(block + left + right)·D), no L×L
+    tensor: query blocks go in groups through :func:`attend_blocks` (in cache;
+    recomputed in the backward); on the CPU without padding keys the forward is torch's
+    fused SDPA kernel over all blocks (:meth:`_Band.fused_forward`). Returns
+    ``(o (B, H, L, Dv), lse (B, H, L))``.
     """
     B, H, L, D = q.shape
     band = _Band(B, H, L, block, left, right, allowed, key_valid, q.device)
@@ -179,8 +184,9 @@ class _Band:
     query blocks, and which window keys each query may attend."""
 
     def __init__(self, B, H, L, block, left, right, allowed, key_valid, device):
-        self.L, self.block, self.left, self.allowed, self.device = L, block, left, allowed, device
-        nb = -(-L // block)
+        self.L, self.block, self.left, self.right = L, block, left, right
+        self.allowed, self.device = allowed, device
+        self.nb = nb = -(-L // block)
         self.Lp, self.span = nb * block, block + left + right
         self.Nk = self.Lp + left + right  # padded keys: left before, right after
         self.bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
@@ -207,6 +213,39 @@ class _Band:
         if self.kv is not None:
             valid = valid & self.kv[:, None, g.start:g.stop, None, :]
         return valid
+
+    def fused_forward(self, q_flat, k_flat, v_flat):
+        """(o (B, H, Lp, Dv), lse (B, H, Lp)) by torch's fused CPU SDPA kernel, or None (padding
+        keys, half precision, Dv != D or not on the CPU: the groups of :func:`attend_blocks`).
+
+        The key windows are a strided view of the padded keys (no copy). The blocks whose
+        window lies inside the sequence share one relative band, so one small additive mask
+        serves them all; the few at either end get a mask each (SDPA's kernel takes only 4-D
+        masks of the query's dtype). Padded queries past L see the padded keys too, so that
+        no row is empty (the kernel gives such rows lse 0); their results are discarded.
+        """
+        fusable = (q_flat.device.type == "cpu" and q_flat.dtype in (torch.float32, torch.float64)
+                   and v_flat.shape[-1] == q_flat.shape[-1])  # the kernel wants Dv = D
+        if self.kv is not None or not fusable:
+            return None
+        nb, block, span = self.nb, self.block, self.span
+        qb = q_flat.view(-1, nb, block, q_flat.shape[-1])  # (B·H, nb, block, D)
+        kb, vb = (t.view(qb.shape[0], -1, t.shape[-1]).unfold(1, span, block).transpose(-1, -2)
+                  for t in (k_flat, v_flat))  # (B·H, nb, span, ·), views
+        i = torch.arange(self.Lp, device=self.device).view(nb, block, 1)
+        j = i[:, :1] - self.left + torch.arange(span, device=self.device)  # (nb, 1, span)
+        allowed = self.allowed(i, j) & (j >= 0) & ((j < self.L) | (i >= self.L))  # (nb, block, span)
+        bias = torch.zeros(allowed.shape, dtype=q_flat.dtype).masked_fill_(~allowed, float("-inf"))
+        first = min(nb, -(-self.left // block))  # blocks whose window starts before key 0 ...
+        last = max(first, min(nb, (self.L - self.right - block) // block + 1))  # ... or ends past key L
+        runs = [(0, first, bias[:first]), (first, last, bias[first:first + 1]), (last, nb, bias[last:])]
+        parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qb[:, a:b], kb[:, a:b], vb[:, a:b], attn_mask=mask[None], scale=1.0)[:2]
+            for a, b, mask in runs if b > a]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
+        B, H = self.bh.shape[:2]
+        o = torch.cat([o for o, _ in parts], 1).view(B, H, self.Lp, -1)
+        lse = torch.cat([lse for _, lse in parts], 1).view(B, H, self.Lp)
+        return o, lse
 
 
 def window_flops(N: int, *, block: int, left: int, right: int, D: int, Dv: int) -> float:

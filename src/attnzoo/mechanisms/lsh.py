@@ -183,6 +183,10 @@ class _Round:
     def k_rows(self, cs):
         return self.bh + self.j_win[:, :, cs].clamp(min=0)  # (B, H, n, 2m)
 
+    def fused_forward(self, q_flat, k_flat, v_flat):
+        """None: every chunk has its own validity, so attend_blocks' groups compute it."""
+        return None
+
     def prepare(self, scores, cs):
         i, j = self.qi[:, :, cs, :, None], self.j_win[:, :, cs, None, :]  # (B, H, n, m, 1), (B, H, n, 1, 2m)
         m, opts = self.m, self.opts
