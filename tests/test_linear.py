@@ -58,3 +58,26 @@ def test_no_scale():
     q, k, v, _ = random_inputs()
     with pytest.raises(ValueError, match="no score scale"):
         attnzoo.attention(q, k, v, mechanism="linear", scale=0.5)
+
+
+@pytest.mark.parametrize("name", ["linear", "performer", "efficient", "taylor"])
+def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
+    """Many small blocks (some all padding): the block merge by constants and the backward
+    that recomputes each block's features, against the dense reference and gradcheck."""
+    from attnzoo.mechanisms import linear
+
+    monkeypatch.setattr(linear, "STREAM_BLOCK", 12)  # B·H = 6: two positions a block
+    causal_forms = [False, True] if attnzoo.get(name).capabilities.causal else [False]
+    for causal in causal_forms:
+        for seed in range(3):
+            check_against_reference(name, Lq=9, Lk=11, causal=causal, masked=True, seed=seed)
+    check_gradcheck(name, Lq=5, Lk=7, masked=True)
+
+
+def test_features_that_require_grad_get_it():
+    """Random features passed as a trainable tensor: the streamed backward steps aside for
+    autograd, so they get their gradient."""
+    q, k, v, _ = random_inputs(B=1, H=2, Lq=5, Lk=6, D=4, requires_grad=True)
+    W = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    attnzoo.attention(q, k, v, mechanism="performer", features=W).sum().backward()
+    assert W.grad is not None and W.grad.abs().sum() > 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.mechanisms._common import finite_or_zero
-from attnzoo.mechanisms.linear import _no_scale, key_state, query_blocks
+from attnzoo.mechanisms.linear import _no_scale, stream_kernel
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -36,9 +36,11 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     Linear Complexities, WACV 2021.
     """
     _no_scale("efficient", scale)
-    S, z = key_state(k, v, _column_exp, key_mask, k.shape[-1])  # σ_col(K)ᵀV = S / z, streamed
-    context = S / z.unsqueeze(-1).clamp(min=torch.finfo(S.dtype).tiny)  # (B, H, D, Dv)
-    return query_blocks(q, lambda q_blk: torch.softmax(q_blk, dim=-1) @ context, q.shape[-1])
+
+    def finish(q_blk, S, z):  # σ_col(K)ᵀV = S / z: (B, H, D, Dv)
+        return torch.softmax(q_blk, dim=-1) @ (S / z.unsqueeze(-1).clamp(min=torch.finfo(S.dtype).tiny))
+
+    return stream_kernel(q, k, v, _column_exp, finish, key_mask=key_mask, width=k.shape[-1])
 
 
 def efficient_reference(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,

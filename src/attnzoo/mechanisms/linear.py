@@ -92,15 +92,16 @@ def key_state(k, v, phi_k, key_mask, width):
     """S = Σ_j φ(k_j) v_jᵀ (B, H, F, Dv) and z = Σ_j φ(k_j) (B, H, F), streamed over key blocks.
 
     ``phi_k(k_block, mask_block)`` gives ``(features (B, H, n, F), c)``: the block's true
-    features are features·e^c, c (B, H, 1, F or 1) or None (no factor). Blocks are merged
-    by rescaling to the largest c so far, so S and z share one factor e^(−max c) (which
-    cancels in every normalised use) and no (Lk, F) tensor exists. Padded keys
-    (``key_mask`` False) contribute nothing.
+    features are features·e^c, c (B, H, 1, F or 1) or None (no factor; c is a constant of
+    the map: it takes no gradient). Blocks are merged by rescaling to the largest c so far,
+    so S and z share one factor e^(−c_max) (which cancels in every normalised use) and no
+    (Lk, F) tensor exists. Padded keys (``key_mask`` False) contribute nothing. Returns
+    ``(S, z, c_max)``: block b's features enter S as features·exp(c_b − c_max), with a
+    non-finite c_max (no real key) counting as 0.
     """
     rows = stream_rows(k, width)
-    masks = [None] * -(-k.shape[2] // rows) if key_mask is None else key_mask.split(rows, 1)
     S = z = c = None
-    for k_blk, v_blk, mask in zip(k.split(rows, 2), v.split(rows, 2), masks, strict=True):  # see _sizes
+    for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
         feat, c_blk = _key_features(phi_k, k_blk, mask)  # (B, H, n, F)
         S_blk, z_blk = feat.transpose(-1, -2) @ v_blk, feat.sum(2)
         if S is None:
@@ -114,7 +115,91 @@ def key_state(k, v, phi_k, key_mask, width):
             S = S * a.transpose(-1, -2) + S_blk * a_blk.transpose(-1, -2)
             z = z * a.squeeze(2) + z_blk * a_blk.squeeze(2)
             c = new
-    return S, z
+    return S, z, c
+
+
+def _key_blocks(k, v, key_mask, rows):
+    """(k, v, mask) blocks of ``rows`` positions (mask None without padding); split, see _sizes."""
+    masks = [None] * -(-k.shape[2] // rows) if key_mask is None else key_mask.split(rows, 1)
+    return zip(k.split(rows, 2), v.split(rows, 2), masks, strict=True)
+
+
+def stream_kernel(q, k, v, phi_k, finish, *, key_mask, width, closes_over=()):
+    """Non-causal kernel attention streamed: S, z, _ = :func:`key_state`, then ``finish(q_block,
+    S, z)`` (B, H, n, Dv) for each block of queries.
+
+    Under autograd the backward recomputes each block's features instead of keeping them
+    (training memory O(L·(D + Dv)), not O(L·F)): query blocks give dS, dz and dq by
+    autograd through ``finish``; key blocks then take d feature = (v dSᵀ + dz)·e^(c_b − c_max)
+    and dv = feature·dS, and autograd through ``phi_k`` for dk (the constants included: S and
+    z carry e^(−c_max), which matters where a normaliser's eps does not scale with them).
+    Tensors the maps close over (``closes_over``, e.g. random features) get no gradient from
+    that backward: when one requires grad, plain autograd runs instead.
+    """
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if grads and not any(t.requires_grad for t in closes_over):
+        return _StreamedKernel.apply(q, k, v, key_mask, phi_k, finish, width)
+    S, z, _ = key_state(k, v, phi_k, key_mask, width)
+    return query_blocks(q, lambda q_blk: finish(q_blk, S, z), width)
+
+
+def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the dims where ``like`` has size 1 (keepdim): (B, H, 1, F) -> c's shape."""
+    dims = [d for d in range(t.dim()) if like.shape[d] == 1 and t.shape[d] != 1]
+    return t.sum(dims, keepdim=True) if dims else t  # sum([]) would reduce every dim
+
+
+class _StreamedKernel(torch.autograd.Function):
+    """stream_kernel with a backward that recomputes the features block by block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, phi_k, finish, width):
+        S, z, c = key_state(k, v, phi_k, key_mask, width)
+        ctx.save_for_backward(q, k, v, key_mask, S, z, c)
+        ctx.maps = phi_k, finish, width
+        return query_blocks(q, lambda q_blk: finish(q_blk, S, z), width)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, key_mask, S, z, c = ctx.saved_tensors
+        phi_k, finish, width = ctx.maps
+        S_, z_ = S.detach().requires_grad_(), z.detach().requires_grad_()  # collect dS, dz
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        safe_c = None if c is None else finite_or_zero(c)
+        with torch.enable_grad():
+            rows, start = stream_rows(q, width), 0
+            for q_blk, g_blk in zip(q.split(rows, 2), grad.split(rows, 2), strict=True):
+                q_b = q_blk.detach().requires_grad_()
+                torch.autograd.backward(finish(q_b, S_, z_), g_blk)
+                dq[:, :, start:start + q_b.shape[2]] = q_b.grad
+                start += q_b.shape[2]
+            dS, dz = S_.grad, z_.grad.unsqueeze(2)  # (B, H, F, Dv), (B, H, 1, F)
+            if c is not None:  # d c_max: (B, H, 1, F)
+                d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
+            rows, start = stream_rows(k, width), 0
+            for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
+                k_b = k_blk.detach().requires_grad_()
+                n = slice(start, start + k_b.shape[2])
+                start += k_b.shape[2]
+                feat, c_blk = _key_features(phi_k, k_b, mask)  # (B, H, n, F)
+                d_feat = torch.baddbmm(dz.flatten(0, 1), v_blk.flatten(0, 1),
+                                       dS.transpose(-1, -2).flatten(0, 1)).view(feat.shape)  # v dSᵀ + dz
+                if c is None:
+                    with torch.no_grad():
+                        dv[:, :, n] = feat @ dS
+                    torch.autograd.backward(feat, d_feat)
+                else:
+                    with torch.no_grad():
+                        eff = feat * torch.exp(c_blk - safe_c)  # the features as they entered S
+                        dv[:, :, n] = eff @ dS
+                        d_feat.mul_(torch.exp(c_blk - safe_c))
+                        # e^(c_b − c_max) cancels the block's own c_b in feat; c_max is the c_b of
+                        # the block that holds the max
+                        d_c = _sum_to((d_feat * feat.detach()).sum(2, keepdim=True), c_blk)
+                        d_c += _sum_to(torch.where(c_blk.detach() == c, d_c_max, 0.0), c_blk)
+                    torch.autograd.backward((feat, c_blk), (d_feat, d_c))
+                dk[:, :, n] = k_b.grad
+        return dq, dk, dv, None, None, None, None
 
 
 def _key_features(phi_k, k_blk, mask):
@@ -163,7 +248,8 @@ def join_blocks(blocks, total):
     return out
 
 
-def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chunk, kv0=None):
+def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chunk, kv0=None,
+                     closes_over=()):
     """The shared engine: normalised kernel attention with feature maps applied block by block.
 
     q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> ((B, H, Lq, Dv), state or None).
@@ -175,16 +261,16 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     Causal: blocks in order, each by chunked prefix sums from the state before it; with
     Lq != Lk query i sees keys j <= i + Lk - Lq (keys before the first aligned one form
     the starting state). ``kv0`` continues from a state; the state is returned when causal.
+    ``closes_over``: tensors the maps use (see :func:`stream_kernel`).
     """
     if not causal:
-        S, z = key_state(k, v, phi_k, key_mask, width)
-
-        def finish(q_blk):
+        def finish(q_blk, S, z):
             f = phi_q(q_blk)  # (B, H, n, F)
             den = torch.linalg.vecdot(f, z.unsqueeze(-2)).unsqueeze(-1)  # φ(q)·z (a matvec in bmm is slow)
             return (f @ S) / (den + eps)
 
-        return query_blocks(q, finish, width), None
+        return stream_kernel(q, k, v, phi_k, finish, key_mask=key_mask, width=width,
+                             closes_over=closes_over), None
     Lq, Lk = q.shape[2], k.shape[2]
     off = causal_offset(Lq, Lk)
     blind, start = max(0, -off), max(0, off)  # queries that see nothing; keys everyone sees

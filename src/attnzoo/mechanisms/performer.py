@@ -121,7 +121,7 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
 
     out, _ = kernel_attention(q, k, v, lambda q_blk: favor_features(q_blk, W, s, stabilise="row"), phi_k,
                               width=W.shape[0], causal=causal, key_mask=key_mask, eps=opts.eps,
-                              chunk=opts.chunk)
+                              chunk=opts.chunk, closes_over=(W,))
     return out
 
 
