@@ -62,16 +62,19 @@ def test_no_scale():
 
 @pytest.mark.parametrize("name", ["linear", "performer", "efficient", "taylor"])
 def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
-    """Many small blocks (some all padding): the block merge by constants and the backward
-    that recomputes each block's features, against the dense reference and gradcheck."""
+    """Many small blocks (some all padding): the block merge by constants and the backwards
+    that recompute each block (non-causal: its features; causal: the block from its saved
+    state, last block first), against the dense reference and gradcheck."""
     from attnzoo.mechanisms import linear
 
     monkeypatch.setattr(linear, "STREAM_BLOCK", 12)  # B·H = 6: two positions a block
-    causal_forms = [False, True] if attnzoo.get(name).capabilities.causal else [False]
-    for causal in causal_forms:
-        for seed in range(3):
-            check_against_reference(name, Lq=9, Lk=11, causal=causal, masked=True, seed=seed)
     check_gradcheck(name, Lq=5, Lk=7, masked=True)
+    for seed in range(3):
+        check_against_reference(name, Lq=9, Lk=11, masked=True, seed=seed)
+    if attnzoo.get(name).capabilities.causal:  # blocks of one chunk of 2
+        for Lq, Lk in [(9, 11), (11, 9), (10, 10)]:
+            check_against_reference(name, Lq=Lq, Lk=Lk, causal=True, masked=True, options={"chunk": 2})
+        check_gradcheck(name, Lq=6, Lk=7, causal=True, masked=True, options={"chunk": 2})
 
 
 def test_features_that_require_grad_get_it():

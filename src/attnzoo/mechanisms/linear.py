@@ -120,6 +120,8 @@ def key_state(k, v, phi_k, key_mask, width):
 
 def _key_blocks(k, v, key_mask, rows):
     """(k, v, mask) blocks of ``rows`` positions (mask None without padding); split, see _sizes."""
+    if k.shape[2] == 0:
+        return zip()  # (split would give one empty block)
     masks = [None] * -(-k.shape[2] // rows) if key_mask is None else key_mask.split(rows, 1)
     return zip(k.split(rows, 2), v.split(rows, 2), masks, strict=True)
 
@@ -275,33 +277,82 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     off = causal_offset(Lq, Lk)
     blind, start = max(0, -off), max(0, off)  # queries that see nothing; keys everyone sees
     rows = chunk * max(1, stream_rows(k, chunk + width) // chunk)  # a block's states stay in cache
-    before, aligned = _sizes(start, rows), _sizes(Lq - blind, rows)
-    k_parts, v_parts = k.split(before + aligned, 2), v.split(before + aligned, 2)
-    m_parts = [None] * len(k_parts) if key_mask is None else key_mask.split(before + aligned, 1)
-
-    def keys(n):  # φ(k) (padding zeroed) and [v, 1] for key piece n
-        return _key_features(phi_k, k_parts[n], m_parts[n])[0], _with_ones(v_parts[n])
-
+    (q_blind, q_al), (k_before, k_al), (v_before, v_al) = (
+        q.split([blind, Lq - blind], 2), k.split([start, Lk - start], 2), v.split([start, Lk - start], 2))
+    m_before, m_al = (None, None) if key_mask is None else key_mask.split([start, Lk - start], 1)
     kv = kv0
-    for n in range(len(before)):  # the keys before the first query's own position
-        f, v1 = keys(n)
-        kv = f.transpose(-1, -2) @ v1 if kv is None else kv + f.transpose(-1, -2) @ v1
-    state = [kv]
-    q_parts = q.split([blind] + aligned, 2)
+    for k_blk, v_blk, mask in _key_blocks(k_before, v_before, m_before, rows):  # the starting state
+        kv_blk = _key_features(phi_k, k_blk, mask)[0].transpose(-1, -2) @ _with_ones(v_blk)
+        kv = kv_blk if kv is None else kv + kv_blk
+    if kv is None:
+        kv = q.new_zeros(*q.shape[:2], width, v.shape[-1] + 1)
+
+    def step(q_blk, k_blk, v_blk, mask, kv):  # one aligned block from the state before it
+        f_k = _key_features(phi_k, k_blk, mask)[0]
+        o, kv = _causal_prefix(phi_q(q_blk), f_k, _with_ones(v_blk), kv, chunk)
+        return _finish(o, eps), kv
+
+    out = q_al.new_zeros(*q.shape[:2], 0, v.shape[-1])
+    if Lq > blind:
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kv))
+        if grads and not any(t.requires_grad for t in closes_over):
+            out, kv = _CausalBlocks.apply(q_al, k_al, v_al, kv, m_al, step, rows)
+        else:
+            out, kv = _causal_run(q_al, k_al, v_al, kv, m_al, step, rows)
+    if blind:  # queries before the first key see nothing
+        out = torch.cat([v.new_zeros(*q_blind.shape[:3], v.shape[-1]), out], 2)
+    return out, LinearState(kv)
+
+
+def _causal_run(q, k, v, kv, key_mask, step, rows, states=None):
+    """``step`` over aligned blocks of ``rows`` positions in order, each from the state the one
+    before left: (out (B, H, L, Dv), final state); ``states`` collects the state before each."""
+    final = [kv]
 
     def blocks():
-        if blind:  # queries before the first key see nothing
-            yield v.new_zeros(*q.shape[:2], blind, v.shape[-1])
-        for n in range(len(aligned)):  # aligned blocks in order, each from the state before it
-            f_k, v1 = keys(len(before) + n)
-            f_q = phi_q(q_parts[1 + n])
-            if state[0] is None:
-                state[0] = f_k.new_zeros(*f_k.shape[:2], f_k.shape[-1], v1.shape[-1])
-            o, state[0] = _causal_prefix(f_q, f_k, v1, state[0], chunk)
-            yield _finish(o, eps)
+        for q_blk, (k_blk, v_blk, mask) in zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows),
+                                               strict=True):
+            if states is not None:
+                states.append(final[0])
+            o, final[0] = step(q_blk, k_blk, v_blk, mask, final[0])
+            yield o
 
-    out = join_blocks(blocks(), Lq)
-    return out, LinearState(state[0])
+    out = join_blocks(blocks(), q.shape[2])
+    return out, final[0]
+
+
+class _CausalBlocks(torch.autograd.Function):
+    """The causal engine's aligned blocks with a backward that walks them last to first,
+    recomputing each from its saved starting state (B, H, F, Dv+1): training keeps the
+    states, not every block's features and chunk products, and no per-block gradient
+    waits for the others (dq, dk, dv are written in place)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kv, key_mask, step, rows):
+        states = []
+        out, kv = _causal_run(q, k, v, kv, key_mask, step, rows, states)
+        ctx.save_for_backward(q, k, v, key_mask, *states)
+        ctx.step, ctx.rows = step, rows
+        return out, kv
+
+    @staticmethod
+    def backward(ctx, g_out, g_kv):
+        q, k, v, key_mask, *states = ctx.saved_tensors
+        rows = ctx.rows
+        g_out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype) if g_out is None else g_out
+        g_kv = torch.zeros_like(states[0]) if g_kv is None else g_kv
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        blocks = list(zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows), g_out.split(rows, 2),
+                          strict=True))
+        with torch.enable_grad():
+            for n in reversed(range(len(blocks))):
+                q_blk, (k_blk, v_blk, mask), g_o = blocks[n]
+                q_b, k_b, v_b, kv_b = (t.detach().requires_grad_() for t in (q_blk, k_blk, v_blk, states[n]))
+                torch.autograd.backward(ctx.step(q_b, k_b, v_b, mask, kv_b), (g_o, g_kv))
+                at = slice(n * rows, n * rows + q_b.shape[2])
+                dq[:, :, at], dk[:, :, at], dv[:, :, at] = q_b.grad, k_b.grad, v_b.grad
+                g_kv = kv_b.grad
+        return dq, dk, dv, g_kv, None, None, None
 
 
 def kernel_flops(Lq, Lk, Fdim, Dv, causal, chunk) -> float:
