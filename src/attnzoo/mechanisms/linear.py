@@ -92,10 +92,9 @@ def key_state(k, v, phi_k, key_mask, width):
     """S = Σ_j φ(k_j) v_jᵀ (B, H, F, Dv) and z = Σ_j φ(k_j) (B, H, F), streamed over key blocks.
 
     ``phi_k(k_block, mask_block)`` gives ``(features (B, H, n, F), c)``: the block's true
-    features are features·e^c, c (B, H, 1, F or 1) or None (no factor; c is a constant of
-    the map: it takes no gradient). Blocks are merged by rescaling to the largest c so far,
-    so S and z share one factor e^(−c_max) (which cancels in every normalised use) and no
-    (Lk, F) tensor exists. Padded keys (``key_mask`` False) contribute nothing. Returns
+    features are features·e^c, c (B, H, 1, F or 1) or None (no factor). Blocks are merged
+    by rescaling to the largest c so far, so S and z share one factor e^(−c_max) (which
+    cancels in every normalised use) and no (Lk, F) tensor exists. Padded keys (``key_mask`` False) contribute nothing. Returns
     ``(S, z, c_max)``: block b's features enter S as features·exp(c_b − c_max), with a
     non-finite c_max (no real key) counting as 0.
     """
@@ -260,7 +259,8 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     exist for one block of positions at a time (``width`` = F sets the block), so they stay
     in cache and no (L, F) tensor is built. Padded keys (key_mask False) contribute nothing;
     a query that sees no key gets 0. Non-causal: S = Σ φ(k)vᵀ and z = Σ φ(k) streamed, then each query block.
-    Causal: blocks in order, each by chunked prefix sums from the state before it; with
+    Causal: blocks in order, each by chunked prefix sums from the state before it (training:
+    :class:`_CausalBlocks` recomputes them backward from the saved states); with
     Lq != Lk query i sees keys j <= i + Lk - Lq (keys before the first aligned one form
     the starting state). ``kv0`` continues from a state; the state is returned when causal.
     ``closes_over``: tensors the maps use (see :func:`stream_kernel`).
