@@ -60,8 +60,9 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
     """Causal Σ_{j<=i} (φq_i·φk_j) v1_j for aligned queries and keys, plus the state after them.
 
     phi_q, phi_k (B, H, L, F), v1 (B, H, L, X), kv0 (B, H, F, X) the state before.
-    Chunked: within a chunk a masked (chunk × chunk) product; across chunks an
-    exclusive cumulative sum of per-chunk states, (B, H, L/chunk, F, X). Memory
+    Chunked: within a chunk a masked (chunk × chunk) product; across chunks the
+    cumulative sum of per-chunk states, (B, H, L/chunk, F, X), each chunk reading the
+    state after the one before it. Memory
     O(L·chunk + (L/chunk)·F·X), time O(L·(chunk + F)·X) — no (L, F, X) tensor.
     """
     B, H, L, Fdim = phi_q.shape
@@ -71,13 +72,18 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
     pq, pk, pv = ((F.pad(t, (0, 0, 0, pad)) if pad else t).view(B, H, nc, chunk, -1)
                   for t in (phi_q, phi_k, v1))
     scores = (pq @ pk.transpose(-1, -2)).tril_()  # (B, H, nc, chunk, chunk), j <= i within the chunk
-    chunk_kv = pk.transpose(-1, -2) @ pv  # (B, H, nc, F, X): each chunk's Σ φ(k) v1ᵀ
-    before = torch.cumsum(F.pad(chunk_kv[:, :, :-1], (0, 0, 0, 0, 1, 0)), 2) + kv0[:, :, None]
-    # intra-chunk part plus the state ahead of each chunk: (B, H, nc, chunk, X)
-    out = torch.baddbmm(
-        (scores @ pv).flatten(0, 2), pq.flatten(0, 2), before.flatten(0, 2)
-    ).view(B, H, nc * chunk, X)[:, :, :L]
-    return out, kv0 + chunk_kv.sum(2)
+    out = scores @ pv  # (B, H, nc, chunk, X): the part within each chunk
+    states = pk.transpose(-1, -2) @ pv  # (B, H, nc, F, X): each chunk's Σ φ(k) v1ᵀ ...
+    states[:, :, 0] += kv0
+    if nc > 1:
+        states = torch.cumsum(states, 2)  # ... now the state after each chunk
+    # plus each chunk's queries against the state ahead of it: kv0, then the chunk before's
+    out[:, :, 0] = torch.baddbmm(out[:, :, 0].flatten(0, 1), pq[:, :, 0].flatten(0, 1),
+                                 kv0.flatten(0, 1)).view(B, H, chunk, X)
+    if nc > 1:
+        out[:, :, 1:] = torch.baddbmm(out[:, :, 1:].flatten(0, 2), pq[:, :, 1:].flatten(0, 2),
+                                      states[:, :, :-1].flatten(0, 2)).view(B, H, nc - 1, chunk, X)
+    return out.view(B, H, nc * chunk, X)[:, :, :L], states[:, :, -1]
 
 
 STREAM_BLOCK = 2**18  # feature values (all batches and heads) computed at a time: 1 MiB in float32
