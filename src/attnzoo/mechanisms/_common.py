@@ -65,6 +65,8 @@ def merge_partials(parts):
 def pad_to(t: torch.Tensor, length: int, dim: int = 2, front: int = 0, value=0.0) -> torch.Tensor:
     """Pad ``t`` along ``dim`` with ``front`` leading entries and trailing ones up to ``length``."""
     back = length - front - t.shape[dim]
+    if front == 0 and back == 0 and t.is_contiguous():
+        return t  # as it is (F.pad would copy it); callers only read it
     pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [front, back]
     return F.pad(t, pad, value=value)
 
