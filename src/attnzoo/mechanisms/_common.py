@@ -20,6 +20,11 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
+def scaled(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q·scale, or q itself for scale 1 (callers that share q scale it once and pass 1)."""
+    return q if scale == 1.0 else q * scale
+
+
 def finite_or_zero(t: torch.Tensor) -> torch.Tensor:
     """``t`` with ±inf and nan replaced by 0: a safe shift for rows or blocks with no real key."""
     return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
@@ -56,9 +61,10 @@ def merge_partials(parts):
     for _, part_lse in parts[1:]:
         lse = torch.logaddexp(lse, part_lse)
     safe_lse = finite_or_zero(lse)
-    out = 0
+    out = None
     for o, part_lse in parts:
-        out = out + torch.exp(part_lse - safe_lse).unsqueeze(-1) * o
+        term = torch.exp(part_lse - safe_lse).unsqueeze(-1) * o
+        out = term if out is None else out.add_(term)
     return out, lse
 
 
@@ -174,7 +180,7 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     """
     B, H, L, D = q.shape
     band = _Band(B, H, L, block, left, right, allowed, key_valid, q.device)
-    q_flat = pad_to(q * scale, band.Lp).reshape(-1, D)  # scaled once here, not each score
+    q_flat = pad_to(scaled(q, scale), band.Lp).reshape(-1, D)  # scaled once here, not each score
     k_flat = pad_to(k, band.Nk, front=left).reshape(B * H * band.Nk, -1)
     v_flat = pad_to(v, band.Nk, front=left).reshape(B * H * band.Nk, -1)
     o, lse = attend_blocks(q_flat, k_flat, v_flat, band)
@@ -234,20 +240,26 @@ class _Band:
         qb = q_flat.view(-1, nb, block, q_flat.shape[-1])  # (B·H, nb, block, D)
         kb, vb = (t.view(qb.shape[0], -1, t.shape[-1]).unfold(1, span, block).transpose(-1, -2)
                   for t in (k_flat, v_flat))  # (B·H, nb, span, ·), views
-        i = torch.arange(self.Lp, device=self.device).view(nb, block, 1)
-        j = i[:, :1] - self.left + torch.arange(span, device=self.device)  # (nb, 1, span)
-        allowed = self.allowed(i, j) & (j >= 0) & ((j < self.L) | (i >= self.L))  # (nb, block, span)
-        bias = torch.zeros(allowed.shape, dtype=q_flat.dtype).masked_fill_(~allowed, float("-inf"))
         first = min(nb, -(-self.left // block))  # blocks whose window starts before key 0 ...
         last = max(first, min(nb, (self.L - self.right - block) // block + 1))  # ... or ends past key L
-        runs = [(0, first, bias[:first]), (first, last, bias[first:first + 1]), (last, nb, bias[last:])]
+        runs = [(0, first, range(first)), (first, last, range(first, first + 1)), (last, nb, range(last, nb))]
+        runs = [(a, b, self._bias(masked, q_flat.dtype)) for a, b, masked in runs if b > a]
         parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qb[:, a:b], kb[:, a:b], vb[:, a:b], attn_mask=mask[None], scale=1.0)[:2]
-            for a, b, mask in runs if b > a]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
+            for a, b, mask in runs]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
         B, H = self.bh.shape[:2]
         o = torch.cat([o for o, _ in parts], 1).view(B, H, self.Lp, -1)
         lse = torch.cat([lse for _, lse in parts], 1).view(B, H, self.Lp)
         return o, lse
+
+    def _bias(self, blocks, dtype):
+        """(len(blocks), block, span) additive mask of query blocks ``blocks``: 0 or -inf."""
+        i = (torch.tensor(blocks, device=self.device) * self.block).view(-1, 1, 1) + torch.arange(
+            self.block, device=self.device).view(-1, 1)  # (n, block, 1)
+        j = i[:, :1] - self.left + torch.arange(self.span, device=self.device)  # (n, 1, span)
+        allowed = self.allowed(i, j) & (j >= 0) & ((j < self.L) | (i >= self.L))  # (n, block, span)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        return bias.masked_fill_(~allowed, float("-inf"))
 
 
 def window_flops(N: int, *, block: int, left: int, right: int, D: int, Dv: int) -> float:

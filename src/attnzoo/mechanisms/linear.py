@@ -100,9 +100,9 @@ def key_state(k, v, phi_k, key_mask, width):
     ``phi_k(k_block, mask_block)`` gives ``(features (B, H, n, F), c)``: the block's true
     features are features·e^c, c (B, H, 1, F or 1) or None (no factor). Blocks are merged
     by rescaling to the largest c so far, so S and z share one factor e^(−c_max) (which
-    cancels in every normalised use) and no (Lk, F) tensor exists. Padded keys (``key_mask`` False) contribute nothing. Returns
-    ``(S, z, c_max)``: block b's features enter S as features·exp(c_b − c_max), with a
-    non-finite c_max (no real key) counting as 0.
+    cancels in every normalised use) and no (Lk, F) tensor exists. Padded keys
+    (``key_mask`` False) contribute nothing. Returns ``(S, z, c_max)``: block b's features
+    enter S as features·exp(c_b − c_max), a non-finite c_max (no real key) counting as 0.
     """
     rows = stream_rows(k, width)
     S = z = c = None

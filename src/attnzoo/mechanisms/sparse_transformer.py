@@ -25,6 +25,7 @@ from attnzoo.mechanisms._common import (
     pad_to,
     partial_softmax,
     pattern_reference,
+    scaled,
     softmax_scale,
     to_frame,
     window_flops,
@@ -92,7 +93,7 @@ def _strided_a2(q, k, v, key_valid, l, causal, include_self, scale):
     B, H, L, _ = q.shape
     m = -(-L // l)
     Lp = m * l
-    qr, kr, vr = (_by_residue(pad_to(t, Lp), l) for t in (q * scale, k, v))  # (B, H, l, m, X)
+    qr, kr, vr = (_by_residue(pad_to(t, Lp), l) for t in (scaled(q, scale), k, v))  # (B, H, l, m, X)
     a = torch.arange(m, device=q.device)
     a_i, a_j = a[:, None], a[None, :]
     valid = (a_j <= a_i) if causal else torch.ones(m, m, dtype=torch.bool, device=q.device)
@@ -155,7 +156,7 @@ def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
         kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l)[:, :, l - c:].reshape(B, 1, 1, -1)
         key_ok = key_ok & kv  # (B, 1, 1, m·c)
     rows = max(1, A2_SCORES_PER_CHUNK // (B * H * m * c))
-    q = q * scale
+    q = scaled(q, scale)
     parts = []
     for n, q_rows in enumerate(q.split(rows, 2)):  # split, not slices: one pass joins their gradients
         start = n * rows
@@ -197,7 +198,8 @@ def strided_attention(q, k, v, opts=StridedOptions(), *, causal=False, key_mask=
     residue class mod l; the two merge by their log-sum-exp. Child et al., 2019.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
-    l, s = _stride(opts, q.shape[2]), softmax_scale(q, scale)
+    l, s = _stride(opts, q.shape[2]), 1.0  # both parts take q scaled once, here
+    q = scaled(q, softmax_scale(q, scale))
     out = _combine(
         q, k, v, opts,
         lambda q, k, v: _strided_a1(q, k, v, key_valid, l, causal, s),
@@ -216,7 +218,8 @@ def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None
     A2 as attention to the c·L/l summary cells, by chunks of queries. Child et al., 2019.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
-    l, s = _stride(opts, q.shape[2]), softmax_scale(q, scale)
+    l, s = _stride(opts, q.shape[2]), 1.0  # both parts take q scaled once, here
+    q = scaled(q, softmax_scale(q, scale))
     c = _summary_cells(opts, l)
     out = _combine(
         q, k, v, opts,
