@@ -83,7 +83,10 @@ def favor_exp(logits: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
     """exp(logits − c) / √m (the 1/√m inside the exp); c None = 0, and a non-finite c (no real
     key) counts as 0."""
     shift = 0.5 * math.log(logits.shape[-1])
-    return torch.exp_(logits - (shift if c is None else finite_or_zero(c) + shift))
+    shift = shift if c is None else finite_or_zero(c) + shift
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return torch.exp_(logits - shift)  # autograd keeps logits (for c's max)
+    return logits.sub_(shift).exp_()  # callers pass fresh logits
 
 
 def _features(q, opts, generator):
@@ -113,6 +116,7 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     Choromanski et al., Rethinking Attention with Performers, ICLR 2021.
     """
     W, s = _features(q, opts, generator), softmax_scale(q, scale)
+    W = W.to(q.dtype).T.contiguous().T  # favor_logits multiplies by W.T: contiguous once, not per block
 
     def phi_k(k_blk, mask):  # causal: c = 0, so no future key sets it; else each block's constant
         logits = favor_logits(k_blk, W, s)
