@@ -24,26 +24,31 @@ def test_local_in_groups_of_query_blocks(monkeypatch):
                                 options={"window": 5, "block": 3})
 
 
-def test_fused_band_forward_equals_the_groups(monkeypatch):
-    """window_partial's fused SDPA forward (no padding keys, Dv = D) against its groups, in
-    float64: sequence shorter than a window, ragged last block, bands one-sided and two."""
+@pytest.mark.parametrize("scores_per_chunk", [2**20, 20])  # backward: all blocks at once, one by one
+def test_fused_band_equals_the_groups(monkeypatch, scores_per_chunk):
+    """window_partial's fused SDPA forward and backward (no padding keys, Dv = D) against the
+    reference, in float64: sequence shorter than a window, ragged last block, bands one-sided
+    and two; the backward by the fused kernel where lse is unused (local), by the groups where
+    it merges (strided, fixed)."""
+    monkeypatch.setattr(_common, "SCORES_PER_CHUNK", scores_per_chunk)
     calls = []
-    fused = _common._Band.fused_forward
-    monkeypatch.setattr(_common._Band, "fused_forward",
-                        lambda self, *rows: calls.append(1) or fused(self, *rows))
+    for method in ("fused_forward", "fused_backward"):
+        original = getattr(_common._Band, method)
+        monkeypatch.setattr(_common._Band, method,
+                            lambda self, *a, _f=original, _m=method: calls.append(_m) or _f(self, *a))
     for Lq, Lk, window, block, causal in [(37, 37, 5, 4, False), (37, 37, 9, 8, True),
                                           (6, 6, 12, 3, False), (19, 29, 7, None, True),
                                           (29, 29, 1, 5, False), (64, 64, 16, 16, True)]:
         calls.clear()
         check_against_reference("local", Lq=Lq, Lk=Lk, causal=causal,
                                 options={"window": window, "block": block})
-        assert calls, "the fused forward was not taken"
+        assert calls == ["fused_forward", "fused_backward"], calls
     check_gradcheck("local", Lq=6, Lk=6, causal=True, options={"window": 3, "block": 2})
     for name in ("strided", "fixed"):
         for causal in (False, True):
             calls.clear()
             check_against_reference(name, Lq=33, Lk=33, causal=causal, options={"stride": 4})
-            assert calls
+            assert "fused_forward" in calls and "fused_backward" not in calls
 
 
 def test_local_window_covering_everything_equals_full():

@@ -128,15 +128,19 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_flat, k_flat, v_flat, plan):
-        o, lse = plan.fused_forward(q_flat, k_flat, v_flat) or _blocks_forward(q_flat, k_flat, v_flat, plan)
+        fused = plan.fused_forward(q_flat, k_flat, v_flat)
+        o, lse = fused or _blocks_forward(q_flat, k_flat, v_flat, plan)
         ctx.save_for_backward(q_flat, k_flat, v_flat, o, lse)
-        ctx.plan = plan
+        ctx.plan, ctx.fused = plan, fused is not None
+        ctx.set_materialize_grads(False)  # an unused lse gives None, not zeros
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
         q_flat, k_flat, v_flat, o, lse = ctx.saved_tensors
         plan = ctx.plan
+        if ctx.fused and grad_lse is None and grad_o is not None:  # the fused kernel's backward
+            return (*plan.fused_backward(grad_o, q_flat, k_flat, v_flat, o, lse), None)
         grad_o = torch.zeros_like(o) if grad_o is None else grad_o
         grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
         seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
@@ -236,21 +240,58 @@ class _Band:
                    and v_flat.shape[-1] == q_flat.shape[-1])  # the kernel wants Dv = D
         if self.kv is not None or not fusable:
             return None
-        nb, block, span = self.nb, self.block, self.span
-        qb = q_flat.view(-1, nb, block, q_flat.shape[-1])  # (B·H, nb, block, D)
-        kb, vb = (t.view(qb.shape[0], -1, t.shape[-1]).unfold(1, span, block).transpose(-1, -2)
-                  for t in (k_flat, v_flat))  # (B·H, nb, span, ·), views
-        first = min(nb, -(-self.left // block))  # blocks whose window starts before key 0 ...
-        last = max(first, min(nb, (self.L - self.right - block) // block + 1))  # ... or ends past key L
-        runs = [(0, first, range(first)), (first, last, range(first, first + 1)), (last, nb, range(last, nb))]
-        runs = [(a, b, self._bias(masked, q_flat.dtype)) for a, b, masked in runs if b > a]
+        qb, kb, vb = self._blocked(q_flat, k_flat, v_flat)
         parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qb[:, a:b], kb[:, a:b], vb[:, a:b], attn_mask=mask[None], scale=1.0)[:2]
-            for a, b, mask in runs]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
+            qb[:, a:b], kb[:, a:b], vb[:, a:b], attn_mask=mask, scale=1.0)[:2]
+            for a, b, mask in self._runs(q_flat.dtype)]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
         B, H = self.bh.shape[:2]
         o = torch.cat([o for o, _ in parts], 1).view(B, H, self.Lp, -1)
         lse = torch.cat([lse for _, lse in parts], 1).view(B, H, self.Lp)
         return o, lse
+
+    def fused_backward(self, grad_o, q_flat, k_flat, v_flat, o, lse):
+        """(dq, dk, dv) of :meth:`fused_forward` (lse unused) by the fused kernel's backward.
+
+        Its key and value gradients come per window, (B·H, blocks, span, ·): they are summed
+        back onto the keys (``unfold_backward``) a few blocks at a time, so no more than
+        ~SCORES_PER_CHUNK·4 of them exist at once.
+        """
+        qb, kb, vb = self._blocked(q_flat, k_flat, v_flat)
+        BH, nb, block, D = qb.shape
+        ob, gb = o.reshape(BH, nb, block, -1), grad_o.reshape(BH, nb, block, -1)
+        lseb = lse.reshape(BH, nb, block)
+        dq = torch.empty_like(q_flat).view(qb.shape)
+        dk, dv = (torch.zeros_like(t).view(BH, -1, t.shape[-1]) for t in (k_flat, v_flat))  # (B·H, Nk, ·)
+        group = max(1, 4 * SCORES_PER_CHUNK // (BH * self.span * D))  # blocks at a time
+        for a, b, mask in self._runs(q_flat.dtype):
+            for s in range(a, b, group):
+                e = min(b, s + group)
+                at = slice(s, e)
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    gb[:, at], qb[:, at], kb[:, at], vb[:, at], ob[:, at], lseb[:, at], 0.0, False,
+                    attn_mask=mask if mask.shape[1] == 1 else mask[:, s - a:e - a], scale=1.0)
+                dq[:, at] = gq
+                keys = slice(s * block, (e - 1) * block + self.span)  # the keys these windows cover
+                for d, g in ((dk, gk), (dv, gv)):
+                    d[:, keys] += torch.ops.aten.unfold_backward(
+                        g.transpose(-1, -2), [BH, keys.stop - keys.start, g.shape[-1]], 1, self.span, block)
+        return dq.view_as(q_flat), dk.view_as(k_flat), dv.view_as(v_flat)
+
+    def _blocked(self, q_flat, k_flat, v_flat):
+        """q as (B·H, nb, block, D) and k, v as windows (B·H, nb, span, ·): views, no copy."""
+        qb = q_flat.view(-1, self.nb, self.block, q_flat.shape[-1])
+        kb, vb = (t.view(qb.shape[0], -1, t.shape[-1]).unfold(1, self.span, self.block).transpose(-1, -2)
+                  for t in (k_flat, v_flat))
+        return qb, kb, vb
+
+    def _runs(self, dtype):
+        """[(first block, end block, 4-D additive mask)]: the blocks whose window starts before
+        key 0 or ends past key L get a mask each; those between share one relative band."""
+        nb, block = self.nb, self.block
+        first = min(nb, -(-self.left // block))
+        last = max(first, min(nb, (self.L - self.right - block) // block + 1))
+        runs = [(0, first, range(first)), (first, last, range(first, first + 1)), (last, nb, range(last, nb))]
+        return [(a, b, self._bias(masked, dtype)[None]) for a, b, masked in runs if b > a]
 
     def _bias(self, blocks, dtype):
         """(len(blocks), block, span) additive mask of query blocks ``blocks``: 0 or -inf."""
