@@ -16,11 +16,11 @@ class EfficientOptions:
     """Efficient attention has no options."""
 
 
-def _column_exp(k_blk, mask):
-    """exp(k − c) for a block of keys, c (B, H, 1, D) the block's per-feature max over real keys."""
-    real = k_blk if mask is None else k_blk.masked_fill(~mask[:, None, :, None], float("-inf"))
-    c = real.amax(2, keepdim=True)
-    return torch.exp(k_blk - finite_or_zero(c)), c
+def _column_max(k, key_mask):
+    """c (B, H, 1, D): each feature's max over the real keys (0 where there is none). A constant
+    (detached): the column softmax does not depend on it, it only keeps exp(k − c) <= 1."""
+    real = k.detach() if key_mask is None else k.detach().masked_fill(~key_mask[:, None, :, None], -torch.inf)
+    return finite_or_zero(real.amax(2, keepdim=True))
 
 
 def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,
@@ -36,11 +36,13 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     Linear Complexities, WACV 2021.
     """
     _no_scale("efficient", scale)
+    c = _column_max(k, key_mask)  # one pass over K, so the key blocks need no rescaling
 
     def finish(q_blk, S, z):  # σ_col(K)ᵀV = S / z: (B, H, D, Dv)
         return torch.softmax(q_blk, dim=-1) @ (S / z.unsqueeze(-1).clamp(min=torch.finfo(S.dtype).tiny))
 
-    return stream_kernel(q, k, v, _column_exp, finish, key_mask=key_mask, width=k.shape[-1])
+    return stream_kernel(q, k, v, lambda k_blk, mask: (torch.exp(k_blk - c), None), finish,
+                         key_mask=key_mask, width=k.shape[-1])
 
 
 def efficient_reference(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,
