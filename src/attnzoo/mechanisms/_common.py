@@ -94,7 +94,8 @@ def attend_blocks(q_flat, k_flat, v_flat, plan):
     saved lse (as flash attention does), so training keeps O(rows·D), not every group's
     weights; half precision goes through autograd. A plan whose ``fused_forward(q_flat,
     k_flat, v_flat)`` returns ``(o, lse)`` (rather than None) has its forward computed that
-    way, by a fused kernel; the backward is the same.
+    way, by a fused kernel, and, when lse then takes no gradient, its backward by
+    ``fused_backward(grad_o, q_flat, k_flat, v_flat, o, lse)`` -> (dq, dk, dv).
     """
     if q_flat.dtype in (torch.float16, torch.bfloat16):
         return _blocks_forward(q_flat, k_flat, v_flat, plan)

@@ -124,7 +124,9 @@ def key_state(k, v, phi_k, key_mask, width):
 
 
 def _key_blocks(k, v, key_mask, rows):
-    """(k, v, mask) blocks of ``rows`` positions (mask None without padding); split, see _sizes."""
+    """(k, v, mask) blocks of ``rows`` positions (mask None without padding). By ``split``:
+    its backward joins the blocks' gradients in one pass, where slicing each block would
+    zero-fill a whole-size gradient per block."""
     if k.shape[2] == 0:
         return zip()  # (split would give one empty block)
     masks = [None] * -(-k.shape[2] // rows) if key_mask is None else key_mask.split(rows, 1)
@@ -226,13 +228,6 @@ def plain_key_map(phi):
 def query_blocks(q, fn, width):
     """``fn(q_block)`` over blocks of queries, joined along the sequence by :func:`join_blocks`."""
     return join_blocks((fn(q_blk) for q_blk in q.split(stream_rows(q, width), 2)), q.shape[2])
-
-
-def _sizes(n: int, rows: int) -> list[int]:
-    """Block sizes covering n positions, for ``torch.split``: its backward joins the blocks'
-    gradients in one pass, where slicing each block would zero-fill a whole-size gradient
-    per block."""
-    return [min(rows, n - s) for s in range(0, n, rows)]
 
 
 def join_blocks(blocks, total):
@@ -344,9 +339,7 @@ class _CausalBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_kv):
         q, k, v, key_mask, *states = ctx.saved_tensors
-        rows = ctx.rows
-        g_out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype) if g_out is None else g_out
-        g_kv = torch.zeros_like(states[0]) if g_kv is None else g_kv
+        rows = ctx.rows  # (unused outputs' gradients come as zeros: materialize_grads)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         blocks = list(zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows), g_out.split(rows, 2),
                           strict=True))

@@ -198,12 +198,12 @@ def strided_attention(q, k, v, opts=StridedOptions(), *, causal=False, key_mask=
     residue class mod l; the two merge by their log-sum-exp. Child et al., 2019.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
-    l, s = _stride(opts, q.shape[2]), 1.0  # both parts take q scaled once, here
-    q = scaled(q, softmax_scale(q, scale))
+    l = _stride(opts, q.shape[2])
+    q = scaled(q, softmax_scale(q, scale))  # once for both parts, which then take scale 1
     out = _combine(
         q, k, v, opts,
-        lambda q, k, v: _strided_a1(q, k, v, key_valid, l, causal, s),
-        lambda q, k, v, own: _strided_a2(q, k, v, key_valid, l, causal, own, s),
+        lambda q, k, v: _strided_a1(q, k, v, key_valid, l, causal, 1.0),
+        lambda q, k, v, own: _strided_a2(q, k, v, key_valid, l, causal, own, 1.0),
     )
     return out[:, :, -Lq:]
 
@@ -218,13 +218,13 @@ def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None
     A2 as attention to the c·L/l summary cells, by chunks of queries. Child et al., 2019.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
-    l, s = _stride(opts, q.shape[2]), 1.0  # both parts take q scaled once, here
-    q = scaled(q, softmax_scale(q, scale))
+    l = _stride(opts, q.shape[2])
+    q = scaled(q, softmax_scale(q, scale))  # once for both parts, which then take scale 1
     c = _summary_cells(opts, l)
     out = _combine(
         q, k, v, opts,
-        lambda q, k, v: _fixed_a1(q, k, v, key_valid, l, causal, s),
-        lambda q, k, v, own: _fixed_a2(q, k, v, key_valid, l, c, causal, own, s),
+        lambda q, k, v: _fixed_a1(q, k, v, key_valid, l, causal, 1.0),
+        lambda q, k, v, own: _fixed_a2(q, k, v, key_valid, l, c, causal, own, 1.0),
     )
     return out[:, :, -Lq:]
 
