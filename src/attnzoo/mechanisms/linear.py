@@ -148,8 +148,13 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, width, closes_over=()):
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if grads and not any(t.requires_grad for t in closes_over):
         return _StreamedKernel.apply(q, k, v, key_mask, phi_k, finish, width)
-    S, z, _ = key_state(k, v, phi_k, key_mask, width)
-    return query_blocks(q, lambda q_blk: finish(q_blk, S, z), width)
+    return _stream_forward(q, k, v, key_mask, phi_k, finish, width)[0]
+
+
+def _stream_forward(q, k, v, key_mask, phi_k, finish, width):
+    """(out, S, z, c_max): the key state, then ``finish`` over the query blocks."""
+    S, z, c = key_state(k, v, phi_k, key_mask, width)
+    return query_blocks(q, lambda q_blk: finish(q_blk, S, z), width), S, z, c
 
 
 def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -163,10 +168,10 @@ class _StreamedKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, phi_k, finish, width):
-        S, z, c = key_state(k, v, phi_k, key_mask, width)
+        out, S, z, c = _stream_forward(q, k, v, key_mask, phi_k, finish, width)
         ctx.save_for_backward(q, k, v, key_mask, S, z, c)
         ctx.maps = phi_k, finish, width
-        return query_blocks(q, lambda q_blk: finish(q_blk, S, z), width)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -193,20 +198,20 @@ class _StreamedKernel(torch.autograd.Function):
                 feat, c_blk = _key_features(phi_k, k_b, mask)  # (B, H, n, F)
                 d_feat = torch.baddbmm(dz.flatten(0, 1), v_blk.flatten(0, 1),
                                        dS.transpose(-1, -2).flatten(0, 1)).view(feat.shape)  # v dSᵀ + dz
-                if c is None:
-                    with torch.no_grad():
+                with torch.no_grad():  # (feat and c_blk keep their graphs for the call below)
+                    if c is None:
                         dv[:, :, n] = feat @ dS
-                    torch.autograd.backward(feat, d_feat)
-                else:
-                    with torch.no_grad():
-                        eff = feat * torch.exp(c_blk - safe_c)  # the features as they entered S
-                        dv[:, :, n] = eff @ dS
-                        d_feat.mul_(torch.exp(c_blk - safe_c))
-                        # e^(c_b − c_max) cancels the block's own c_b in feat; c_max is the c_b of
-                        # the block that holds the max
-                        d_c = _sum_to((d_feat * feat.detach()).sum(2, keepdim=True), c_blk)
-                        d_c += _sum_to(torch.where(c_blk.detach() == c, d_c_max, 0.0), c_blk)
-                    torch.autograd.backward((feat, c_blk), (d_feat, d_c))
+                        outputs, grads = feat, d_feat
+                    else:
+                        a = torch.exp(c_blk - safe_c)  # (B, H, 1, F or 1): the block's factor in S
+                        dv[:, :, n] = (feat * a) @ dS
+                        d_feat.mul_(a)
+                        # e^(c_b − c_max) cancels the block's own c_b in feat; c_max is the c_b
+                        # of the block that holds the max
+                        d_c = _sum_to((d_feat * feat).sum(2, keepdim=True), c_blk)
+                        d_c += _sum_to(torch.where(c_blk == c, d_c_max, 0.0), c_blk)
+                        outputs, grads = (feat, c_blk), (d_feat, d_c)
+                torch.autograd.backward(outputs, grads)
                 dk[:, :, n] = k_b.grad
         return dq, dk, dv, None, None, None, None
 
