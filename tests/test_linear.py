@@ -77,10 +77,14 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
         check_gradcheck(name, Lq=6, Lk=7, causal=True, masked=True, options={"chunk": 2})
 
 
-def test_features_that_require_grad_get_it():
+@pytest.mark.parametrize("causal", [False, True])
+def test_features_that_require_grad_get_it(causal):
     """Random features passed as a trainable tensor: the streamed backward steps aside for
-    autograd, so they get their gradient."""
-    q, k, v, _ = random_inputs(B=1, H=2, Lq=5, Lk=6, D=4, requires_grad=True)
+    autograd, so they get their gradient, the reference's."""
+    q, k, v, km = random_inputs(B=2, H=2, Lq=5, Lk=6, D=4, masked=True, requires_grad=True)
     W = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
-    attnzoo.attention(q, k, v, mechanism="performer", features=W).sum().backward()
-    assert W.grad is not None and W.grad.abs().sum() > 0
+    grads = [torch.autograd.grad(attnzoo.attention(q, k, v, mechanism="performer", features=W,
+                                                   causal=causal, key_mask=km, reference=ref).sum(), W)[0]
+             for ref in (False, True)]
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-10, rtol=1e-8)

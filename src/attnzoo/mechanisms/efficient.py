@@ -41,7 +41,7 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     def finish(q_blk, S, z):  # σ_col(K)ᵀV = S / z: (B, H, D, Dv)
         return torch.softmax(q_blk, dim=-1) @ (S / z.unsqueeze(-1).clamp(min=torch.finfo(S.dtype).tiny))
 
-    return stream_kernel(q, k, v, lambda k_blk, mask: (torch.exp(k_blk - c), None), finish,
+    return stream_kernel(q, k, v, lambda k_blk, mask: (torch.sub(k_blk, c).exp_(), None), finish,
                          key_mask=key_mask, width=k.shape[-1])
 
 
