@@ -23,7 +23,7 @@ from attnzoo.registry import Capabilities, Mechanism, register
 class ProbSparseOptions:
     factor: int = 5  # c: U_part = c·ceil(ln Lk) sampled keys per query, u = c·ceil(ln Lq) active queries
     variant: str = "paper"  # "paper" or "official" (the Informer repository's arithmetic; see below)
-    chunk: int = 512  # queries per chunk when scoring the samples (cache blocking, not results)
+    chunk: int = 1024  # queries per chunk when scoring the samples (cache blocking, not results)
 
     def __post_init__(self):
         if self.factor < 1:
@@ -98,16 +98,18 @@ def _sampled_measure(q, k, index, Lk, opts):
     k_rows = k.transpose(1, 2).reshape(B * Lk, H * D)  # a row = a key, all heads (2-D: fast index_select)
     q_rows = q.transpose(1, 2).contiguous()  # (B, Lq, H, D)
     index = index.expand(B, -1, -1) + (torch.arange(B, device=q.device) * Lk)[:, None, None]
-    top = torch.full((B, Lq, H), float("-inf"), dtype=q.dtype, device=q.device)
-    total = torch.zeros(B, Lq, H, dtype=q.dtype, device=q.device)
+    index = index.permute(2, 0, 1).contiguous()  # (U_part, B, Lq): sample u of a chunk is one run
+    top = q.new_empty(B, Lq, H)
+    total = q.new_empty(B, Lq, H)
     for start in range(0, Lq, opts.chunk):
         rows = slice(start, start + opts.chunk)
         q_chunk = q_rows[:, rows]  # (B, C, H, D)
+        scores = q.new_empty(U_part, *q_chunk.shape[:3])  # (U_part, B, C, H)
         for u in range(U_part):
-            k_sample = k_rows.index_select(0, index[:, rows, u].flatten()).view(q_chunk.shape)
-            score = torch.linalg.vecdot(q_chunk, k_sample)  # (B, C, H); no product temporary
-            torch.maximum(top[:, rows], score, out=top[:, rows])
-            total[:, rows] += score
+            k_sample = k_rows.index_select(0, index[u, :, rows].flatten()).view(q_chunk.shape)
+            torch.linalg.vecdot(q_chunk, k_sample, out=scores[u])
+        torch.amax(scores, 0, out=top[:, rows])
+        torch.sum(scores, 0, out=total[:, rows])
     divisor = Lk if opts.variant == "official" else U_part
     return (top - total / divisor).transpose(1, 2)  # (B, H, Lq)
 
