@@ -18,6 +18,13 @@ def test_lsh_matches_reference(case):
     check_against_reference("lsh", **case)
 
 
+@settings(max_examples=30, deadline=None)
+@given(lsh_cases)
+def test_lsh_inference_matches_reference(case):
+    """Inputs that take no gradient: the rounds merge in place, from their sorted slots."""
+    check_against_reference("lsh", **case, backward=False)
+
+
 def _shared(case_seed, causal, masked, **options):
     q, _, v, km = random_inputs(B=2, H=2, Lq=23, Lk=23, D=5, seed=case_seed, masked=masked)
     run = lambda ref: attnzoo.attention(q, q, v, mechanism="lsh", causal=causal, key_mask=km,  # noqa: E731

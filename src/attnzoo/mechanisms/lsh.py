@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from attnzoo.mechanisms._common import (
     SCORES_PER_CHUNK,
     attend_blocks,
+    finite_or_zero,
     merge_partials,
     pad_to,
     softmax_scale,
@@ -150,10 +151,26 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
         o, lse = attend_blocks(flat_q, flat_k, flat_v, plan)  # (B, H, Lp, Dv), (B, H, Lp): sorted slots
         pos = q_order[:, :, r]
         o, lse = o[:, :, :L], lse[:, :, :L]
+        if out is not None and not o.requires_grad:  # (autograd records nothing)
+            out = _merge_sorted_into(out, o, lse, pos)
+            continue
         o = o.new_empty(o.shape).scatter(2, pos[..., None].expand_as(o), o)  # back to positions
         lse = lse.new_empty(lse.shape).scatter(2, pos, lse)
         out = (o, lse) if out is None else merge_partials([out, (o, lse)])
     return out[0].to(q.dtype)
+
+
+def _merge_sorted_into(out, o, lse, pos):
+    """merge_partials of ``out`` (by position) and a round's ``(o, lse)`` (sorted slots, ``pos``
+    their positions), in place and without scattering the round first: no whole-size
+    temporaries (inference only: it overwrites both)."""
+    acc, acc_lse = out
+    new = torch.logaddexp(acc_lse, lse.new_empty(lse.shape).scatter_(2, pos, lse))  # (B, H, L)
+    safe = finite_or_zero(new)
+    acc.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
+    weight = torch.exp(lse - safe.gather(2, pos)).unsqueeze(-1)  # (B, H, L, 1), sorted slots
+    acc.scatter_add_(2, pos[..., None].expand_as(o), o.mul_(weight))
+    return acc, new
 
 
 class _Round:
