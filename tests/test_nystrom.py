@@ -26,6 +26,10 @@ def test_segment_means_and_pinv():
     x = torch.arange(10, dtype=torch.float64).view(1, 1, 10, 1)
     assert segment_means(x, 5).flatten().tolist() == [0.5, 2.5, 4.5, 6.5, 8.5]
     assert segment_means(x, 3).flatten().tolist() == [1.5, 5.0, 8.0]  # segments 4, 3, 3 long
+    mask = torch.tensor([[1, 0, 1, 1, 0, 0, 0, 1, 1, 1], [1] * 10], dtype=torch.bool)
+    means = segment_means(x.expand(2, 2, 10, 1), 3, mask)  # per batch entry, real rows only
+    torch.testing.assert_close(means[:, 0, :, 0], torch.tensor([[5 / 3, 0.0, 8.0], [1.5, 5.0, 8.0]],
+                                                              dtype=torch.float64))
     a = torch.softmax(torch.randn(3, 6, 6, dtype=torch.float64), -1)
     torch.testing.assert_close(iterative_pinv(a, 40), torch.linalg.pinv(a), atol=1e-8, rtol=1e-6)
 

@@ -30,9 +30,14 @@ def segment_means(x: torch.Tensor, m: int, key_mask: torch.Tensor | None = None)
     L = x.shape[2]
     m = min(m, L)
     segment = torch.arange(L, device=x.device) * m // L  # segment of each position, 0..m-1
-    onehot = F.one_hot(segment, m).to(x.dtype).T  # (m, L)
-    weights = onehot if key_mask is None else onehot * key_mask[:, None, None, :].to(x.dtype)
-    return (weights @ x) / weights.sum(-1, keepdim=True).clamp(min=1)
+    if key_mask is None:
+        counts = torch.bincount(segment, minlength=m).to(x.dtype)[:, None]  # (m, 1)
+    else:
+        x = x.masked_fill(~key_mask[:, None, :, None], 0.0)
+        counts = key_mask.new_zeros(key_mask.shape[0], m, dtype=x.dtype).index_add_(
+            1, segment, key_mask.to(x.dtype))[:, None, :, None]  # (B, 1, m, 1): real rows only
+    sums = x.new_zeros(*x.shape[:2], m, x.shape[-1]).index_add_(2, segment, x)  # (B, H, m, D)
+    return sums / counts.clamp(min=1)
 
 
 def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
