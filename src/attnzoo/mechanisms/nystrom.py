@@ -98,11 +98,10 @@ def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
 
 
 def nystrom_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
-    m = min(opts.num_landmarks, Lq, Lk)
-    means = 2.0 * m * (Lq + Lk) * D
+    m = min(opts.num_landmarks, Lq, Lk)  # (the segment means are sums, not products: uncounted)
     kernels = 2.0 * m * Lk * (D + Dv) + 2.0 * m * m * D + 2.0 * Lq * m * (D + Dv)
     pinv = opts.pinv_iterations * 8.0 * m**3 + 2.0 * m * m * Dv
-    return B * H * (means + kernels + pinv)
+    return B * H * (kernels + pinv)
 
 
 register(

@@ -96,7 +96,7 @@ def _sampled_measure(q, k, index, Lk, opts):
     B, H, Lq, D = q.shape
     U_part = index.shape[-1]
     k_rows = k.transpose(1, 2).reshape(B * Lk, H * D)  # a row = a key, all heads (2-D: fast index_select)
-    q_rows = q.transpose(1, 2).contiguous()  # (B, Lq, H, D)
+    q_rows = q.transpose(1, 2)  # (B, Lq, H, D), a view: vecdot reads it strided
     index = index.expand(B, -1, -1) + (torch.arange(B, device=q.device) * Lk)[:, None, None]
     index = index.permute(2, 0, 1).contiguous()  # (U_part, B, Lq): sample u of a chunk is one run
     top = q.new_empty(B, Lq, H)
