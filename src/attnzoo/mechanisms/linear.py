@@ -83,7 +83,8 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
     if nc > 1:
         out[:, :, 1:] = torch.baddbmm(out[:, :, 1:].flatten(0, 2), pq[:, :, 1:].flatten(0, 2),
                                       states[:, :, :-1].flatten(0, 2)).view(B, H, nc - 1, chunk, X)
-    return out.view(B, H, nc * chunk, X)[:, :, :L], states[:, :, -1]
+    # the state on its own: a view would keep every chunk's state alive (the causal engine saves it)
+    return out.view(B, H, nc * chunk, X)[:, :, :L], states[:, :, -1].clone()
 
 
 STREAM_BLOCK = 2**18  # feature values (all batches and heads) computed at a time: 1 MiB in float32
