@@ -90,8 +90,9 @@ def _sampled_measure(q, k, index, Lk, opts):
     """M (B, H, Lq) from the sampled scores, without an (Lq, U_part, D) copy of K.
 
     Queries go in chunks of ``opts.chunk``; for each sample u the chunk gathers one
-    key row per query (all heads at once, from a (B·Lk, H·D) layout) and keeps a
-    running max and sum, so the working set stays in cache: O(chunk·H·D) memory.
+    key row per query (all heads at once, from a (B·Lk, H·D) layout) into its
+    (U_part, chunk, H) scores, reduced to max and sum once per chunk, so the working
+    set stays in cache: O(chunk·(H·D + U_part·H)) memory.
     """
     B, H, Lq, D = q.shape
     U_part = index.shape[-1]
