@@ -95,6 +95,12 @@ def stream_rows(t: torch.Tensor, width: int) -> int:
     return max(1, STREAM_BLOCK // (t.shape[0] * t.shape[1] * width))
 
 
+def _backward_rows(t: torch.Tensor, width: int) -> int:
+    """Positions per block in a backward: half the forward's (a block's features have their
+    gradients beside them), unless that goes below 128 (small matmuls run slowly)."""
+    return max(min(128, stream_rows(t, width)), stream_rows(t, 2 * width))
+
+
 def key_state(k, v, phi_k, key_mask, width):
     """S = Σ_j φ(k_j) v_jᵀ (B, H, F, Dv) and z = Σ_j φ(k_j) (B, H, F), streamed over key blocks.
 
@@ -182,7 +188,7 @@ class _StreamedKernel(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         safe_c = None if c is None else finite_or_zero(c)
         with torch.enable_grad():
-            rows, start = stream_rows(q, width), 0
+            rows, start = _backward_rows(q, width), 0
             for q_blk, g_blk in zip(q.split(rows, 2), grad.split(rows, 2), strict=True):
                 q_b = q_blk.detach().requires_grad_()
                 torch.autograd.backward(finish(q_b, S_, z_), g_blk)
@@ -191,7 +197,7 @@ class _StreamedKernel(torch.autograd.Function):
             dS, dz = S_.grad, z_.grad.unsqueeze(2)  # (B, H, F, Dv), (B, H, 1, F)
             if c is not None:  # d c_max: (B, H, 1, F)
                 d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
-            rows, start = stream_rows(k, width), 0
+            rows, start = _backward_rows(k, width), 0
             for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
                 k_b = k_blk.detach().requires_grad_()
                 n = slice(start, start + k_b.shape[2])
