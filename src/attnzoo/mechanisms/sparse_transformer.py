@@ -84,8 +84,8 @@ def _by_residue(t: torch.Tensor, l: int) -> torch.Tensor:
     return t.view(B, H, Lp // l, l, X).transpose(2, 3)
 
 
-def _strided_a2(q, k, v, key_valid, l, causal, include_self, scale):
-    """Partial over {j : (i - j) mod l = 0}: attention within each residue class mod l.
+def _strided_a2(q, k, v, key_valid, l, causal, include_self):
+    """Partial over {j : (i - j) mod l = 0}: attention within each residue class mod l (q scaled).
 
     O(L·L/l·D) time, O(L·L/l) memory. ``include_self=False`` drops j = i (union mode,
     where A1 has it).
@@ -93,7 +93,7 @@ def _strided_a2(q, k, v, key_valid, l, causal, include_self, scale):
     B, H, L, _ = q.shape
     m = -(-L // l)
     Lp = m * l
-    qr, kr, vr = (_by_residue(pad_to(t, Lp), l) for t in (scaled(q, scale), k, v))  # (B, H, l, m, X)
+    qr, kr, vr = (_by_residue(pad_to(t, Lp), l) for t in (q, k, v))  # (B, H, l, m, X)
     a = torch.arange(m, device=q.device)
     a_i, a_j = a[:, None], a[None, :]
     valid = (a_j <= a_i) if causal else torch.ones(m, m, dtype=torch.bool, device=q.device)
@@ -123,21 +123,22 @@ def _strided_a1_window(l, causal):
     return min(l, 64), l - 1, 0 if causal else l - 1
 
 
-def _strided_a1(q, k, v, key_valid, l, causal, scale):
-    """Partial over the previous l positions (two-sided: |i - j| < l)."""
+def _strided_a1(q, k, v, key_valid, l, causal):
+    """Partial over the previous l positions (two-sided: |i - j| < l); q scaled."""
     block, left, right = _strided_a1_window(l, causal)
     return window_partial(q, k, v, key_valid, block=block, left=left, right=right,
-                          allowed=lambda i, j: (j > i - l) & (j < i + right + 1), scale=scale)
+                          allowed=lambda i, j: (j > i - l) & (j < i + right + 1), scale=1.0)
 
 
-def _fixed_a1(q, k, v, key_valid, l, causal, scale):
-    """Partial over i's own block (causal: j <= i within it): one block of l keys per query block."""
+def _fixed_a1(q, k, v, key_valid, l, causal):
+    """Partial over i's own block (causal: j <= i within it): one block of l keys per query block;
+    q scaled."""
     allowed = (lambda i, j: j <= i) if causal else (lambda i, j: j >= 0)
-    return window_partial(q, k, v, key_valid, block=l, left=0, right=0, allowed=allowed, scale=scale)
+    return window_partial(q, k, v, key_valid, block=l, left=0, right=0, allowed=allowed, scale=1.0)
 
 
-def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
-    """Partial over the last c cells of every block: O(L·c·L/l·D) time.
+def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block):
+    """Partial over the last c cells of every block (q scaled): O(L·c·L/l·D) time.
 
     Union mode excludes i's own block (A1 has it); split mode keeps it. Queries go in
     chunks of A2_SCORES_PER_CHUNK / (B·H·c·L/l) rows, so a forward's temporaries stay
@@ -156,7 +157,6 @@ def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
         kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l)[:, :, l - c:].reshape(B, 1, 1, -1)
         key_ok = key_ok & kv  # (B, 1, 1, m·c)
     rows = max(1, A2_SCORES_PER_CHUNK // (B * H * m * c))
-    q = scaled(q, scale)
     parts = []
     for n, q_rows in enumerate(q.split(rows, 2)):  # split, not slices: one pass joins their gradients
         start = n * rows
@@ -199,11 +199,11 @@ def strided_attention(q, k, v, opts=StridedOptions(), *, causal=False, key_mask=
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
     l = _stride(opts, q.shape[2])
-    q = scaled(q, softmax_scale(q, scale))  # once for both parts, which then take scale 1
+    q = scaled(q, softmax_scale(q, scale))  # once for both parts
     out = _combine(
         q, k, v, opts,
-        lambda q, k, v: _strided_a1(q, k, v, key_valid, l, causal, 1.0),
-        lambda q, k, v, own: _strided_a2(q, k, v, key_valid, l, causal, own, 1.0),
+        lambda q, k, v: _strided_a1(q, k, v, key_valid, l, causal),
+        lambda q, k, v, own: _strided_a2(q, k, v, key_valid, l, causal, own),
     )
     return out[:, :, -Lq:]
 
@@ -219,12 +219,12 @@ def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
     l = _stride(opts, q.shape[2])
-    q = scaled(q, softmax_scale(q, scale))  # once for both parts, which then take scale 1
+    q = scaled(q, softmax_scale(q, scale))  # once for both parts
     c = _summary_cells(opts, l)
     out = _combine(
         q, k, v, opts,
-        lambda q, k, v: _fixed_a1(q, k, v, key_valid, l, causal, 1.0),
-        lambda q, k, v, own: _fixed_a2(q, k, v, key_valid, l, c, causal, own, 1.0),
+        lambda q, k, v: _fixed_a1(q, k, v, key_valid, l, causal),
+        lambda q, k, v, own: _fixed_a2(q, k, v, key_valid, l, c, causal, own),
     )
     return out[:, :, -Lq:]
 
