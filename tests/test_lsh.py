@@ -103,3 +103,19 @@ def test_lsh_duplicate_counting_changes_the_weights():
                                         n_hashes=4, count_duplicates=dup,
                                         generator=torch.Generator().manual_seed(0))
     assert not torch.allclose(run(True), run(False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hash_buckets_is_the_argmax_of_the_concatenation(monkeypatch, dtype):
+    """h(x) = argmax([xR; -xR]) with argmax's first-maximum rule, ties included, over blocks."""
+    from attnzoo.mechanisms import lsh
+
+    monkeypatch.setattr(lsh, "HASH_BLOCK", 2 * 3 * 3 * 8 * 5)  # 5 positions a block: several blocks
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 37, 6, generator=g, dtype=dtype)
+    x[0, 0, :4] = 0  # every rotated value 0: a tie across the halves
+    rotations = torch.randn(3, 6, 8, generator=g)
+    rotations[:, :, 5] = rotations[:, :, 2]  # tied columns inside each half
+    rotated = torch.einsum("bhld,rdc->bhrlc", x, rotations.to(dtype))
+    expected = torch.cat([rotated, -rotated], -1).argmax(-1)
+    assert torch.equal(lsh.hash_buckets(x, rotations), expected)

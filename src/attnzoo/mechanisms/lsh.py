@@ -69,8 +69,10 @@ def n_buckets_for(L: int, opts: LSHOptions) -> int:
 def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """(B, H, L, D) -> (B, H, n_hashes, L) buckets: argmax([xR; -xR]) per round.
 
-    Computed as argmax(xR) where max(xR) >= -min(xR), else b/2 + argmin(xR): the same
-    first-maximum tie rule as the argmax of the concatenation, without building it.
+    Computed as the first c with xR_c = max(xR) where max(xR) >= -min(xR), else b/2 + the
+    first c with xR_c = min(xR): the same first-maximum tie rule as the argmax of the
+    concatenation, without building it. The first index is found by vectorised reductions
+    (max over hits of weights b/2 − c), several times faster on the CPU than argmax.
     """
     if rotations.shape[-1] == 0:  # one bucket
         return torch.zeros(*x.shape[:2], rotations.shape[0], x.shape[2], dtype=torch.long,
@@ -79,13 +81,16 @@ def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     rotations = rotations.to(x.dtype)
     B, H, L, _ = x.shape
     R, half = rotations.shape[0], rotations.shape[-1]
+    every_round = rotations.permute(1, 0, 2).reshape(-1, R * half)  # (D, R·b/2): one matmul a block
+    earlier = torch.arange(half, 0, -1, dtype=x.dtype, device=x.device)  # b/2 − c: larger for earlier c
     out = torch.empty(B, H, R, L, dtype=torch.long, device=x.device)
     rows = max(1, HASH_BLOCK // (B * H * R * half))  # positions a block: the rotated block stays in cache
     for s in range(0, L, rows):
-        rotated = torch.einsum("bhld,rdc->bhrlc", x[:, :, s:s + rows], rotations)  # (B, H, R, rows, b/2)
-        top, arg_top = rotated.max(-1)
-        low, arg_low = rotated.min(-1)
-        out[..., s:s + rows] = torch.where(top >= -low, arg_top, arg_low + half)
+        rotated = (x[:, :, s:s + rows] @ every_round).unflatten(-1, (R, half))  # (B, H, rows, R, b/2)
+        top, low = rotated.amax(-1, keepdim=True), rotated.amin(-1, keepdim=True)
+        positive = top >= -low  # (B, H, rows, R, 1): the maximum is in the xR half
+        first = half - rotated.eq_(torch.where(positive, top, low)).mul_(earlier).amax(-1)
+        out[..., s:s + rows] = (first.long() + half * positive.squeeze(-1).logical_not()).transpose(-1, -2)
     return out
 
 
