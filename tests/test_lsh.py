@@ -119,3 +119,13 @@ def test_hash_buckets_is_the_argmax_of_the_concatenation(monkeypatch, dtype):
     rotated = torch.einsum("bhld,rdc->bhrlc", x, rotations.to(dtype))
     expected = torch.cat([rotated, -rotated], -1).argmax(-1)
     assert torch.equal(lsh.hash_buckets(x, rotations), expected)
+
+
+def test_float32_keeps_a_query_that_sees_only_itself_exact():
+    """Causal shared QK: position 0 sees only its own key (score − 1e5), met in every round.
+    Counted once, it is v_0 in float32 too (weights near 1e5 would lose ~1 % to rounding)."""
+    q, _, v = random_inputs(1, 2, 40, 40, 8, 8, seed=5, dtype=torch.float64)[:3]
+    run = lambda dt: attnzoo.attention(q.to(dt), q.to(dt), v.to(dt), mechanism="lsh",  # noqa: E731
+                                       causal=True, shared_qk=True, bucket_size=4, n_hashes=4,
+                                       generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(run(torch.float32).double(), run(torch.float64), atol=1e-5, rtol=1e-5)
