@@ -46,7 +46,7 @@ def partial_softmax(scores: torch.Tensor, valid: torch.Tensor | None, v: torch.T
     """
     scores, v = wide(scores), wide(v)
     if valid is not None:
-        scores = scores.masked_fill_(valid.logical_not(), float("-inf"))
+        _mask_invalid_(scores, valid)
     m = scores.detach().amax(-1, keepdim=True)  # (..., R, 1)
     empty = _empty_rows(m)
     if empty is not None:  # a row of -inf has softmax nan: give it zeros, then o = 0, lse = -inf
@@ -71,6 +71,22 @@ class _LogSumExp(torch.autograd.Function):
     def backward(ctx, grad):
         (p,) = ctx.saved_tensors
         return grad * p, None, None
+
+
+def _mask_invalid_(scores: torch.Tensor, valid: torch.Tensor) -> None:
+    """-inf into ``scores`` where ``valid`` (broadcastable to it) is False, over the span of key
+    columns where any entry is: patterns whose masks are mostly whole valid columns (fixed's
+    summary cells: only the query's own blocks are partly valid) fill a fraction of the scores."""
+    span = slice(None)
+    if valid.shape[-1] == scores.shape[-1] > 1:  # (a mask broadcast over the keys has no columns)
+        rows = tuple(range(valid.dim() - 1))
+        whole = valid.view(torch.uint8)
+        whole = whole.amin(rows) if rows else whole  # (n,): 1 where the whole column is valid
+        partial = torch.nonzero(whole == 0)  # (n_partial, 1) column indices
+        if partial.numel() == 0:
+            return
+        span = slice(int(partial[0]), int(partial[-1]) + 1)
+    scores[..., span].masked_fill_(valid[..., span].logical_not(), float("-inf"))
 
 
 def _empty_rows(m: torch.Tensor) -> torch.Tensor | None:

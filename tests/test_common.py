@@ -1,0 +1,52 @@
+"""The shared partial softmax: (o, lse) against the plain masked softmax, for every mask shape
+the mechanisms pass (full, broadcast over batch and heads, over keys, per key, none)."""
+
+import pytest
+import torch
+
+from attnzoo.mechanisms._common import partial_softmax
+
+
+def _plain(scores, valid, v):
+    s = scores if valid is None else scores.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows with no key: 0
+    return p @ v, lse
+
+
+def _masks(g):
+    R, n = 5, 7
+    full = torch.rand(2, 3, R, n, generator=g) < 0.6
+    full[0, 1, 2] = False  # a row with no key
+    cols = torch.rand(R, n, generator=g) < 0.5
+    cols[:, :2] = True  # whole valid columns before and after the partly valid ones
+    cols[:, -1] = True
+    return {
+        "none": None,
+        "full": full,
+        "broadcast rows": cols,
+        "per key": torch.tensor([True, False, True, True, False, True, True]),
+        "over keys": (torch.rand(2, 1, R, 1, generator=g) < 0.7).expand(2, 1, R, 1),
+        "all valid": torch.ones(R, n, dtype=torch.bool),
+        "one bad column": torch.ones(R, n, dtype=torch.bool).index_fill_(1, torch.tensor([3]), False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_masks(torch.Generator().manual_seed(0))))
+def test_partial_softmax_matches_the_plain_masked_softmax(name):
+    g = torch.Generator().manual_seed(0)
+    valid = _masks(g)[name]
+    scores = torch.randn(2, 3, 5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    o, lse = partial_softmax(scores.clone(), valid, v)
+    o_ref, lse_ref = _plain(scores, valid, v)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref)
+    # gradients of o and of the finite lse (what the merges use)
+    seen = torch.isfinite(lse_ref)
+    w_o, w_lse = (torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (o, lse))
+    loss = lambda o, lse: (o * w_o).sum() + (lse.where(seen, 0.0) * w_lse).sum()  # noqa: E731
+    grads = torch.autograd.grad(loss(o, lse), (scores, v))
+    grads_ref = torch.autograd.grad(loss(o_ref, lse_ref), (scores, v))
+    for a, b in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, b)
