@@ -22,7 +22,13 @@ spec.loader.exec_module(peers)
 def test_our_side_of_every_pair_runs(pair):
     result = peers.child(pair, "ours", 40, repeats=1, backward=True, threads=1)
     assert result["status"] == "ok" and result["bwd_status"] == "ok", result
-    assert len(result["fwd_s"]) == 1 and result["fwdbwd_s"][0] > 0
+    assert len(result["fwd_s"]) == peers.calls_for(result["fwd_first_s"], 1) and result["fwdbwd_s"][0] > 0
+
+
+def test_fast_calls_are_timed_more_often():
+    assert peers.calls_for(2.0, 3) == 3  # slow: the given repeats
+    assert peers.calls_for(peers.TIMED_S / 10, 3) == 10  # fast: about TIMED_S of calls
+    assert peers.calls_for(1e-9, 3) == peers.MAX_REPEATS
 
 
 def test_child_process_prints_one_result():
@@ -30,7 +36,8 @@ def test_child_process_prints_one_result():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers.py"), *argv],
                          capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT:"))
-    assert result["status"] == "ok" and len(result["fwd_s"]) == 2 and "fwdbwd_s" not in result
+    assert result["status"] == "ok" and "fwdbwd_s" not in result
+    assert len(result["fwd_s"]) == peers.calls_for(result["fwd_first_s"], 2)
 
 
 def _doc(cells):
