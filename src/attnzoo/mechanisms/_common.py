@@ -138,7 +138,7 @@ def attend_blocks(q_flat, k_flat, v_flat, plan):
     ``fused_backward(grad_o, q_flat, k_flat, v_flat, o, lse)`` -> (dq, dk, dv).
     """
     if q_flat.dtype in (torch.float16, torch.bfloat16):
-        return _blocks_forward(q_flat, k_flat, v_flat, plan)
+        return blocks_forward(q_flat, k_flat, v_flat, plan)
     return _BlockAttention.apply(q_flat, k_flat, v_flat, plan)
 
 
@@ -158,7 +158,7 @@ def _all_true(mask: torch.Tensor) -> bool:
     return mask.numel() == 0 or bool(mask.view(torch.uint8).amin() == 1)
 
 
-def _blocks_forward(q_flat, k_flat, v_flat, plan):
+def blocks_forward(q_flat, k_flat, v_flat, plan):
     parts = []
     for g in plan.groups:
         k_rows = plan.k_rows(g)
@@ -175,7 +175,7 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_flat, k_flat, v_flat, plan):
         fused = plan.fused_forward(q_flat, k_flat, v_flat)
-        o, lse = fused or _blocks_forward(q_flat, k_flat, v_flat, plan)
+        o, lse = fused or blocks_forward(q_flat, k_flat, v_flat, plan)
         ctx.save_for_backward(q_flat, k_flat, v_flat, o, lse)
         ctx.plan, ctx.fused = plan, fused is not None
         ctx.set_materialize_grads(False)  # an unused lse gives None, not zeros
@@ -192,29 +192,42 @@ class _BlockAttention(torch.autograd.Function):
         seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
         # d lse / d s = p and d o / d s = p (dP − rowsum(dO·o)): one per-row term for both
         row = torch.where(seen, grad_lse - torch.linalg.vecdot(grad_o, o), 0.0)  # (B, H, slots)
-        dq, dk, dv = torch.zeros_like(q_flat), torch.zeros_like(k_flat), torch.zeros_like(v_flat)
+        grads = torch.zeros_like(q_flat), torch.zeros_like(k_flat), torch.zeros_like(v_flat)
         start = 0
         for g in plan.groups:
-            q_rows, k_rows = plan.q_rows(g), plan.k_rows(g)  # (B, H, n, block), (B, H, n, span)
-            n, block = q_rows.shape[2:]
+            n, block = plan.q_rows(g).shape[2:]
             slots = slice(start, start + n * block)
             start += n * block
-            q_g, k_g, v_g = _rows(q_flat, q_rows), _rows(k_flat, k_rows), _rows(v_flat, k_rows)
-            scores = q_g @ k_g.transpose(-1, -2)  # (B, H, n, block, span)
-            valid = _prepare(plan, scores, g)
-            if valid is not None:
-                scores.masked_fill_(valid.logical_not(), float("-inf"))
-            p = torch.softmax(scores, -1)  # = exp(s − lse), by the forward's fused kernel
-            empty = ~seen[:, :, slots].unflatten(2, (n, block)).unsqueeze(-1)  # (B, H, n, block, 1)
-            if bool(empty.any()):
-                p.masked_fill_(empty, 0.0)  # rows with no key: no weights (softmax gave nan)
-            g_o = grad_o[:, :, slots].unflatten(2, (n, block))  # (B, H, n, block, Dv)
-            ds = (g_o @ v_g.transpose(-1, -2)).add_(row[:, :, slots].unflatten(2, (n, block)).unsqueeze(-1))
-            ds.mul_(p)  # d scores
-            dq.index_add_(0, q_rows.reshape(-1), (ds @ k_g).flatten(0, -2))
-            dk.index_add_(0, k_rows.reshape(-1), (ds.transpose(-1, -2) @ q_g).flatten(0, -2))
-            dv.index_add_(0, k_rows.reshape(-1), (p.transpose(-1, -2) @ g_o).flatten(0, -2))
-        return dq, dk, dv, None
+            g_o, row_g, seen_g = (t[:, :, slots].unflatten(2, (n, block)) for t in (grad_o, row, seen))
+            add_group_grads(plan, g, (q_flat, k_flat, v_flat), grads, g_o, row_g, seen_g)
+        return *grads, None
+
+
+def add_group_grads(plan, g, flats, grads, grad_o, row, keep, scale=None):
+    """Adds group g's share of a recomputing (flash-style) backward to ``grads`` = (dq, dk, dv),
+    flat rows like ``flats`` = (q_flat, k_flat, v_flat), in place.
+
+    The weights are recomputed as softmax(scores)·``scale`` (B, H, n, block) (None = 1): the
+    group's own softmax, rescaled to the one being differentiated; rows where ``keep`` is
+    False get none (scale must be finite there). With ``grad_o`` (B, H, n, block, Dv) and the
+    per-row term ``row`` (B, H, n, block): d scores = p ⊙ (grad_o vᵀ + row).
+    """
+    q_rows, k_rows = plan.q_rows(g), plan.k_rows(g)  # (B, H, n, block), (B, H, n, span)
+    q_g, k_g, v_g = (_rows(t, idx) for t, idx in zip(flats, (q_rows, k_rows, k_rows), strict=True))
+    scores = q_g @ k_g.transpose(-1, -2)  # (B, H, n, block, span)
+    valid = _prepare(plan, scores, g)
+    if valid is not None:
+        scores.masked_fill_(valid.logical_not(), float("-inf"))
+    p = torch.softmax(scores, -1)  # the forward's weights, by its fused kernel
+    if not _all_true(keep):
+        p.masked_fill_(keep.logical_not().unsqueeze(-1), 0.0)  # (rows with no key: softmax gave nan)
+    if scale is not None:
+        p.mul_(scale.unsqueeze(-1))
+    ds = (grad_o @ v_g.transpose(-1, -2)).add_(row.unsqueeze(-1)).mul_(p)  # d scores
+    dq, dk, dv = grads
+    dq.index_add_(0, q_rows.reshape(-1), (ds @ k_g).flatten(0, -2))
+    dk.index_add_(0, k_rows.reshape(-1), (ds.transpose(-1, -2) @ q_g).flatten(0, -2))
+    dv.index_add_(0, k_rows.reshape(-1), (p.transpose(-1, -2) @ grad_o).flatten(0, -2))
 
 
 def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):

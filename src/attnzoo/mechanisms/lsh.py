@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 from attnzoo.mechanisms._common import (
     SCORES_PER_CHUNK,
-    attend_blocks,
+    add_group_grads,
+    blocks_forward,
     finite_or_zero,
-    merge_partials,
     pad_to,
     softmax_scale,
+    wide,
 )
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -79,6 +80,7 @@ def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     if rotations.shape[-1] == 0:  # one bucket
         return torch.zeros(*x.shape[:2], rotations.shape[0], x.shape[2], dtype=torch.long,
                            device=x.device)
+    x = x.detach()  # bucket ids take no gradient: autograd would keep every block's rotations
     x = x if x.dtype == torch.float64 else x.float()  # hash in >= float32: half precision flips buckets
     rotations = rotations.to(x.dtype)
     B, H, L, _ = x.shape
@@ -150,27 +152,56 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     m = opts.bucket_size
     q_buckets, k_buckets, q_order, k_order = _buckets_and_order(q, keys, opts, generator)
     q_code, k_code = _meeting_codes(q_buckets, q_order, m, opts), _meeting_codes(k_buckets, k_order, m, opts)
-    flat_q = (q * softmax_scale(q, scale)).reshape(B * H * L, D)
-    flat_k, flat_v = keys.reshape(B * H * L, D), v.reshape(B * H * L, -1)
-    out = None
-    for r in range(opts.n_hashes):
-        plan = _Round(r, q_buckets, k_buckets, q_order, k_order, q_code, k_code, key_mask, causal, opts)
-        o, lse = attend_blocks(flat_q, flat_k, flat_v, plan)  # (B, H, Lp, Dv), (B, H, Lp): sorted slots
-        pos = q_order[:, :, r]
-        o, lse = o[:, :, :L], lse[:, :, :L]
-        if out is not None and not o.requires_grad:  # (autograd records nothing)
-            out = _merge_sorted_into(out, o, lse, pos)
-            continue
-        o = o.new_empty(o.shape).scatter(2, pos[..., None].expand_as(o), o)  # back to positions
-        lse = lse.new_empty(lse.shape).scatter(2, pos, lse)
-        out = (o, lse) if out is None else merge_partials([out, (o, lse)])
-    return out[0].to(q.dtype)
+    plans = [_Round(r, q_buckets, k_buckets, q_order, k_order, q_code, k_code, key_mask, causal, opts)
+             for r in range(opts.n_hashes)]
+    flat_q = wide(q * softmax_scale(q, scale)).reshape(B * H * L, D)  # half precision: float32 inside
+    flat_k, flat_v = wide(keys).reshape(B * H * L, D), wide(v).reshape(B * H * L, -1)
+    return _Rounds.apply(flat_q, flat_k, flat_v, plans).to(q.dtype)
+
+
+class _Rounds(torch.autograd.Function):
+    """The hash rounds, each by groups of sorted chunks, merged in place into one softmax over
+    the union of their keys. The backward recomputes every round's weights against the merged
+    log-sum-exp (flash attention's backward over the union), so no round's output is kept and
+    the gradients accumulate in one set of tensors."""
+
+    @staticmethod
+    def forward(ctx, q_flat, k_flat, v_flat, plans):
+        B, H, L = plans[0].pos.shape
+        out = (q_flat.new_zeros(B, H, L, v_flat.shape[-1]), q_flat.new_full((B, H, L), float("-inf")))
+        round_lse = []
+        for plan in plans:
+            o, lse = blocks_forward(q_flat, k_flat, v_flat, plan)  # (B, H, Lp, Dv), (B, H, Lp): sorted slots
+            out = _merge_sorted_into(out, o[:, :, :L], lse[:, :, :L], plan.pos)
+            round_lse.append(lse)
+        ctx.save_for_backward(q_flat, k_flat, v_flat, *out, *round_lse)
+        ctx.plans = plans
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_flat, k_flat, v_flat, out, lse, *round_lse = ctx.saved_tensors
+        flats = q_flat, k_flat, v_flat
+        grads = tuple(torch.zeros_like(t) for t in flats)
+        flat_grad = grad.reshape(-1, grad.shape[-1])  # (B·H·L, Dv): rows as q_flat's
+        row, total = -torch.linalg.vecdot(grad, out).reshape(-1), lse.reshape(-1)  # by row
+        for plan, own_lse in zip(ctx.plans, round_lse, strict=True):
+            start = 0
+            for g in plan.groups:
+                q_rows = plan.q_rows(g)  # (B, H, n, m)
+                n, m = q_rows.shape[2:]
+                own = own_lse[:, :, start:start + n * m].unflatten(2, (n, m))  # this round's lse
+                start += n * m
+                keep = (plan.qi[:, :, g] >= 0) & torch.isfinite(own)  # real queries with a key here
+                scale = torch.where(keep, torch.exp(own - total[q_rows]), 0.0)  # round -> union
+                add_group_grads(plan, g, flats, grads, flat_grad[q_rows], row[q_rows], keep, scale)
+        return *grads, None
 
 
 def _merge_sorted_into(out, o, lse, pos):
     """merge_partials of ``out`` (by position) and a round's ``(o, lse)`` (sorted slots, ``pos``
     their positions), in place and without scattering the round first: no whole-size
-    temporaries (inference only: it overwrites both)."""
+    temporaries (autograd must not record it: it overwrites both)."""
     acc, acc_lse = out
     new = torch.logaddexp(acc_lse, lse.new_empty(lse.shape).scatter_(2, pos, lse))  # (B, H, L)
     safe = finite_or_zero(new)
@@ -181,14 +212,16 @@ def _merge_sorted_into(out, o, lse, pos):
 
 
 class _Round:
-    """One hash round as a plan for :func:`attend_blocks`: sorted chunks of queries, each seeing
-    its chunk and the one before, with validity, the N_ij correction and the self penalty."""
+    """One hash round as a plan for ``attend_blocks``' groups (``blocks_forward``,
+    ``add_group_grads``): sorted chunks of queries, each seeing its chunk and the one before,
+    with validity, the N_ij correction and the self penalty."""
 
     def __init__(self, r, q_buckets, k_buckets, q_order, k_order, q_code, k_code, key_mask, causal, opts):
         B, H, _, L = q_order.shape
         m = opts.bucket_size
         nc = -(-L // m)
         self.r, self.m, self.causal, self.opts, self.q_code, self.k_code = r, m, causal, opts, q_code, k_code
+        self.pos = q_order[:, :, r]  # (B, H, L): the position in each sorted slot
         self.bh = torch.arange(B * H, device=q_order.device).view(B, H, 1, 1) * L  # row offsets
         self.qi = pad_to(q_order[:, :, r], nc * m, value=-1).view(B, H, nc, m)  # slot -> position, -1 pad
         kj = pad_to(k_order[:, :, r], (nc + 1) * m, front=m, value=-1)  # a padded chunk before chunk 0
