@@ -4,7 +4,7 @@ the mechanisms pass (full, broadcast over batch and heads, over keys, per key, n
 import pytest
 import torch
 
-from attnzoo.mechanisms._common import partial_softmax
+from attnzoo.mechanisms._common import partial_softmax, window_partial
 
 
 def _plain(scores, valid, v):
@@ -50,3 +50,23 @@ def test_partial_softmax_matches_the_plain_masked_softmax(name):
     grads_ref = torch.autograd.grad(loss(o_ref, lse_ref), (scores, v))
     for a, b in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("lse_grad", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_partial_with_its_scale_matches_the_dense_band(causal, lse_grad):
+    """The fused kernel scales q itself; when lse takes a gradient the groups' backward runs
+    instead and must scale q (and dq) the same way."""
+    g = torch.Generator().manual_seed(1)
+    L, left, right, scale = 37, 6, 0 if causal else 5, 0.3
+    q, k, v = (torch.randn(2, 3, L, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    allowed = lambda i, j: (j >= i - left) & (j <= i + right)  # noqa: E731
+    o, lse = window_partial(q, k, v, None, block=4, left=left, right=right, allowed=allowed, scale=scale)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed(i, j), float("-inf"))
+    o_ref, lse_ref = torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+    torch.testing.assert_close((o, lse), (o_ref, lse_ref))
+    w_o, w_lse = (torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (o, lse))
+    loss = lambda o, lse: (o * w_o).sum() + ((lse * w_lse).sum() if lse_grad else 0)  # noqa: E731
+    grads = torch.autograd.grad(loss(o, lse), (q, k, v))
+    torch.testing.assert_close(grads, torch.autograd.grad(loss(o_ref, lse_ref), (q, k, v)))

@@ -123,19 +123,20 @@ SCORES_PER_CHUNK = 2**20  # scores (all batches and heads) computed at a time: 4
 def attend_blocks(q_flat, k_flat, v_flat, plan):
     """Softmax attention over gathered blocks: the shared core of the banded mechanisms and LSH.
 
-    ``q_flat`` (R, D) (already scaled), ``k_flat`` (R', D), ``v_flat`` (R', Dv) are rows; for
-    each group g of ``plan.groups`` the queries ``plan.q_rows(g)`` (B, H, n, block) attend the
-    keys ``plan.k_rows(g)`` (B, H, n, span), and ``plan.prepare(scores, g)`` adjusts the scores
-    in place (biases) and returns which keys are valid. Groups hold about SCORES_PER_CHUNK
-    scores, so every pass over them runs in cache. Returns ``(o (B, H, slots, Dv),
-    lse (B, H, slots))``, the query slots in group order.
+    ``q_flat`` (R, D) (already scaled, unless the plan fuses: below), ``k_flat`` (R', D),
+    ``v_flat`` (R', Dv) are rows; for each group g of ``plan.groups`` the queries
+    ``plan.q_rows(g)`` (B, H, n, block) attend the keys ``plan.k_rows(g)`` (B, H, n, span),
+    and ``plan.prepare(scores, g)`` adjusts the scores in place (biases) and returns which keys
+    are valid. Groups hold about SCORES_PER_CHUNK scores, so every pass over them runs in
+    cache. Returns ``(o (B, H, slots, Dv), lse (B, H, slots))``, the query slots in group order.
 
     In float32 / float64 the backward recomputes each group's weights from the rows and the
     saved lse (as flash attention does), so training keeps O(rows·D), not every group's
     weights; half precision goes through autograd. A plan whose ``fused_forward(q_flat,
     k_flat, v_flat)`` returns ``(o, lse)`` (rather than None) has its forward computed that
-    way, by a fused kernel, and, when lse then takes no gradient, its backward by
-    ``fused_backward(grad_o, q_flat, k_flat, v_flat, o, lse)`` -> (dq, dk, dv).
+    way, by a fused kernel that scales the unscaled ``q_flat`` by ``plan.fused_scale`` itself,
+    and, when lse then takes no gradient, its backward by ``fused_backward(grad_o, q_flat,
+    k_flat, v_flat, o, lse)`` -> (dq, dk, dv).
     """
     if q_flat.dtype in (torch.float16, torch.bfloat16):
         return blocks_forward(q_flat, k_flat, v_flat, plan)
@@ -187,6 +188,8 @@ class _BlockAttention(torch.autograd.Function):
         plan = ctx.plan
         if ctx.fused and grad_lse is None and grad_o is not None:  # the fused kernel's backward
             return (*plan.fused_backward(grad_o, q_flat, k_flat, v_flat, o, lse), None)
+        if ctx.fused:  # the kernel scaled q itself (plan.fused_scale); the groups take it scaled
+            q_flat = q_flat * plan.fused_scale
         grad_o = torch.zeros_like(o) if grad_o is None else grad_o
         grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
         seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
@@ -200,6 +203,8 @@ class _BlockAttention(torch.autograd.Function):
             start += n * block
             g_o, row_g, seen_g = (t[:, :, slots].unflatten(2, (n, block)) for t in (grad_o, row, seen))
             add_group_grads(plan, g, (q_flat, k_flat, v_flat), grads, g_o, row_g, seen_g)
+        if ctx.fused:
+            grads[0].mul_(plan.fused_scale)
         return *grads, None
 
 
@@ -244,8 +249,11 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     ``(o (B, H, L, Dv), lse (B, H, L))``.
     """
     B, H, L, D = q.shape
-    band = _Band(B, H, L, block, left, right, allowed, key_valid, q.device)
-    q_flat = pad_to(scaled(q, scale), band.Lp).reshape(-1, D)  # scaled once here, not each score
+    fused = (key_valid is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+             and v.shape[-1] == D)  # torch's fused kernel: no padding keys, Dv = D (see _Band.fused_forward)
+    band = _Band(B, H, L, block, left, right, allowed, key_valid, q.device, scale if fused else None)
+    q_flat = pad_to(q if fused else scaled(q, scale), band.Lp).reshape(-1, D)  # the kernel scales itself;
+    # the groups take q scaled once here, not each score
     k_flat = pad_to(k, band.Nk, front=left).reshape(B * H * band.Nk, -1)
     v_flat = pad_to(v, band.Nk, front=left).reshape(B * H * band.Nk, -1)
     o, lse = attend_blocks(q_flat, k_flat, v_flat, band)
@@ -256,9 +264,10 @@ class _Band:
     """The plan of :func:`window_partial` for :func:`attend_blocks`: padded rows, groups of
     query blocks, and which window keys each query may attend."""
 
-    def __init__(self, B, H, L, block, left, right, allowed, key_valid, device):
+    def __init__(self, B, H, L, block, left, right, allowed, key_valid, device, fused_scale):
         self.L, self.block, self.left, self.right = L, block, left, right
         self.allowed, self.device = allowed, device
+        self.fused_scale = fused_scale  # None: the groups of attend_blocks (q comes scaled)
         self.nb = nb = -(-L // block)
         self.Lp, self.span = nb * block, block + left + right
         self.Nk = self.Lp + left + right  # padded keys: left before, right after
@@ -288,8 +297,9 @@ class _Band:
         return valid
 
     def fused_forward(self, q_flat, k_flat, v_flat):
-        """(o (B, H, Lp, Dv), lse (B, H, Lp)) by torch's fused CPU SDPA kernel, or None (padding
-        keys, half precision, Dv != D or not on the CPU: the groups of :func:`attend_blocks`).
+        """(o (B, H, Lp, Dv), lse (B, H, Lp)) by torch's fused CPU SDPA kernel, scaling the
+        unscaled q itself, or None (padding keys, half precision, Dv != D or not on the CPU:
+        the groups of :func:`attend_blocks`, with q scaled).
 
         The key windows are a strided view of the padded keys (no copy). The blocks whose
         window lies inside the sequence share one relative band, so one small additive mask
@@ -297,13 +307,11 @@ class _Band:
         masks of the query's dtype). Padded queries past L see the padded keys too, so that
         no row is empty (the kernel gives such rows lse 0); their results are discarded.
         """
-        fusable = (q_flat.device.type == "cpu" and q_flat.dtype in (torch.float32, torch.float64)
-                   and v_flat.shape[-1] == q_flat.shape[-1])  # the kernel wants Dv = D
-        if self.kv is not None or not fusable:
+        if self.fused_scale is None:
             return None
         qb, kb, vb = self._blocked(q_flat, k_flat, v_flat)
         parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qb[:, a:b], kb[:, a:b], vb[:, a:b], attn_mask=mask, scale=1.0)[:2]
+            qb[:, a:b], kb[:, a:b], vb[:, a:b], attn_mask=mask, scale=self.fused_scale)[:2]
             for a, b, mask in self._runs(q_flat.dtype)]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
         B, H = self.bh.shape[:2]
         o = torch.cat([o for o, _ in parts], 1).view(B, H, self.Lp, -1)
@@ -330,7 +338,7 @@ class _Band:
                 at = slice(s, e)
                 gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     gb[:, at], qb[:, at], kb[:, at], vb[:, at], ob[:, at], lseb[:, at], 0.0, False,
-                    attn_mask=mask if mask.shape[1] == 1 else mask[:, s - a:e - a], scale=1.0)
+                    attn_mask=mask if mask.shape[1] == 1 else mask[:, s - a:e - a], scale=self.fused_scale)
                 dq[:, at] = gq
                 keys = slice(s * block, (e - 1) * block + self.span)  # the keys these windows cover
                 for d, g in ((dk, gk), (dv, gv)):
