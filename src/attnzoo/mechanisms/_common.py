@@ -160,6 +160,8 @@ def _all_true(mask: torch.Tensor) -> bool:
 
 
 def blocks_forward(q_flat, k_flat, v_flat, plan):
+    """``(o, lse)`` of :func:`attend_blocks` by its groups, each a :func:`partial_softmax`: the
+    forward of its recomputing backward, and the whole of it in half precision."""
     parts = []
     for g in plan.groups:
         k_rows = plan.k_rows(g)
