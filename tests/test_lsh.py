@@ -21,7 +21,7 @@ def test_lsh_matches_reference(case):
 @settings(max_examples=30, deadline=None)
 @given(lsh_cases)
 def test_lsh_inference_matches_reference(case):
-    """Inputs that take no gradient: the rounds merge in place, from their sorted slots."""
+    """Inputs that take no gradient: the forward alone, nothing saved for a backward."""
     check_against_reference("lsh", **case, backward=False)
 
 
