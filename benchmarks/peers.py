@@ -25,6 +25,7 @@ prints; nothing here is imported by the package.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,13 +61,17 @@ class Case:
 
 @dataclass(frozen=True)
 class Pair:
+    """One mechanism beside its peer. Our side is built from the fields (:func:`ours_case`), and
+    the same options give the FLOP floor (:func:`floor_s`), so the two cannot disagree."""
+
     mechanism: str  # attnzoo's name
     causal: bool
-    ours: Callable[[int], Case]
     peer: Callable[[int], Case] | None  # None: no public implementation; measured against SDPA only
     peer_label: str = ""
     config: str = ""  # the shared configuration, in words
     scope: str = "core"  # "core": attention on q, k, v; "module": projections included, on x (B, L, 512)
+    options: dict = field(default_factory=dict)  # ours; a callable value is called with L
+    shared_qk: bool = False  # core: k is q (one leaf), and the mechanism's shared_qk option is set
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -89,28 +94,26 @@ def _blhd(t):
     return t.detach().transpose(1, 2).contiguous()
 
 
-def ours_core(mechanism: str, causal: bool, shared_qk: bool = False, **options) -> Callable[[int], Case]:
-    def build(L: int) -> Case:
-        q, k, v = _qkv(L)
-        leaves = _leaves(q, v) if shared_qk else _leaves(q, k, v)
-
-        def fwd():
-            key = q if shared_qk else k
-            return attnzoo.attention(q, key, v, mechanism=mechanism, causal=causal,
-                                     generator=torch.Generator().manual_seed(0), **options)
-        return Case(fwd, leaves)
-    return build
+def pair_options(pair: Pair, L: int) -> dict:
+    """Our side's options at length L (callables called with L; shared_qk set where k is q)."""
+    options = {n: o(L) if callable(o) else o for n, o in pair.options.items()}
+    return {**options, "shared_qk": True} if pair.shared_qk else options
 
 
-def ours_module(mechanism: str, **options) -> Callable[[int], Case]:
-    """attnzoo.nn.MultiheadAttention on x (B, L, 512); an option given as a callable gets L."""
-    def build(L: int) -> Case:
+def ours_case(pair: Pair, L: int) -> Case:
+    """Our side: attnzoo.attention on q, k, v ("core"), or attnzoo.nn.MultiheadAttention on
+    x (B, L, 512) ("module", projections included)."""
+    options = pair_options(pair, L)
+    if pair.scope == "module":
         torch.manual_seed(0)
-        opts = {n: o(L) if callable(o) else o for n, o in options.items()}
-        layer = attnzoo.nn.MultiheadAttention(D_MODEL, H, mechanism=mechanism, **opts).eval()
+        layer = attnzoo.nn.MultiheadAttention(D_MODEL, H, mechanism=pair.mechanism, causal=pair.causal,
+                                              **options).eval()
         x = torch.randn(B, L, D_MODEL, generator=torch.Generator().manual_seed(0))
         return Case(lambda: layer(x), _leaves(x) + list(layer.parameters()))
-    return build
+    q, k, v = _qkv(L, pair.shared_qk)
+    return Case(lambda: attnzoo.attention(q, k, v, mechanism=pair.mechanism, causal=pair.causal,
+                                          generator=torch.Generator().manual_seed(0), **options),
+                _leaves(q, v) if pair.shared_qk else _leaves(q, k, v))
 
 
 # ---------------------------------------------------------------------------- peers
@@ -203,74 +206,69 @@ def fast_transformers(kind: str) -> Callable[[int], Case]:
     return build
 
 
-def _performer_features() -> torch.Tensor:
+def _performer_features(L: int) -> torch.Tensor:
+    """Ours draws its features once, outside the call, as performer-pytorch draws them at construction."""
     from attnzoo.mechanisms.performer import draw_features
     return draw_features(256, D, orthogonal=True, generator=torch.Generator().manual_seed(0))
 
 
-def ours_performer(causal: bool) -> Callable[[int], Case]:
-    """Features drawn once, outside the call, as performer-pytorch draws them at construction."""
-    def build(L: int) -> Case:
-        return ours_core("performer", causal, features=_performer_features())(L)
-    return build
+PERFORMER = dict(features=_performer_features)
 
 
 # ---------------------------------------------------------------------------- pairs
 
 PAIRS: dict[str, Pair] = {
-    "full": Pair("full", False, ours_core("full", False), sdpa(False), "torch SDPA",
-                 "softmax attention"),
-    "full_causal": Pair("full", True, ours_core("full", True), sdpa(True), "torch SDPA is_causal",
-                        "causal softmax attention"),
-    "prob_sparse": Pair("prob_sparse", False, ours_core("prob_sparse", False, variant="official", factor=5),
-                        informer(False), "Informer official ProbAttention (re-implemented)",
-                        "factor 5, official arithmetic (sum/Lk, mean(V))"),
-    "prob_sparse_causal": Pair("prob_sparse", True,
-                               ours_core("prob_sparse", True, variant="official", factor=5),
-                               informer(True), "Informer official ProbAttention, mask_flag",
-                               "factor 5, official arithmetic (cumsum(V), ProbMask)"),
-    "lsh": Pair("lsh", False, ours_core("lsh", False, shared_qk=True, bucket_size=64, n_hashes=4,
-                                        attend_across_buckets=True, count_duplicates=False),
-                reformer_lsh, "reformer-pytorch LSHAttention",
+    "full": Pair("full", False, sdpa(False), "torch SDPA", "softmax attention"),
+    "full_causal": Pair("full", True, sdpa(True), "torch SDPA is_causal", "causal softmax attention"),
+    "prob_sparse": Pair("prob_sparse", False, informer(False),
+                        "Informer official ProbAttention (re-implemented)",
+                        "factor 5, official arithmetic (sum/Lk, mean(V))",
+                        options=dict(variant="official", factor=5)),
+    "prob_sparse_causal": Pair("prob_sparse", True, informer(True),
+                               "Informer official ProbAttention, mask_flag",
+                               "factor 5, official arithmetic (cumsum(V), ProbMask)",
+                               options=dict(variant="official", factor=5)),
+    "lsh": Pair("lsh", False, reformer_lsh, "reformer-pytorch LSHAttention",
                 "shared QK, bucket 64, 4 hashes, n_buckets = L/64, chunk + previous chunk; the peer's "
-                "defaults: attend across buckets, duplicates not counted (allow_duplicate_attention)"),
-    "linformer": Pair("linformer", False, ours_module("linformer", proj_len=256, max_len=lambda L: L),
-                      linformer_module, "linformer LinformerSelfAttention",
-                      "k = 256, d_model 512, 8 heads, whole module", scope="module"),
-    "performer": Pair("performer", False, ours_performer(False), performer_fast(False),
-                      "performer-pytorch FastAttention", "256 orthogonal features, drawn once"),
-    "performer_causal": Pair("performer", True, ours_performer(True), performer_fast(True),
+                "defaults: attend across buckets, duplicates not counted (allow_duplicate_attention)",
+                shared_qk=True, options=dict(bucket_size=64, n_hashes=4, attend_across_buckets=True,
+                                             count_duplicates=False)),
+    "linformer": Pair("linformer", False, linformer_module, "linformer LinformerSelfAttention",
+                      "k = 256, d_model 512, 8 heads, whole module", scope="module",
+                      options=dict(proj_len=256, max_len=lambda L: L)),
+    "performer": Pair("performer", False, performer_fast(False), "performer-pytorch FastAttention",
+                      "256 orthogonal features, drawn once", options=PERFORMER),
+    "performer_causal": Pair("performer", True, performer_fast(True),
                              "performer-pytorch FastAttention causal (its CPU path)",
-                             "256 orthogonal features, drawn once"),
-    "local": Pair("local", False, ours_core("local", False, window=768), local_attention(False),
-                  "local-attention LocalAttention",
-                  "peer: window_size 256, one block back and forward = 768 keys a query; ours: window 768"),
-    "local_causal": Pair("local", True, ours_core("local", True, window=384), local_attention(True),
+                             "256 orthogonal features, drawn once", options=PERFORMER),
+    "local": Pair("local", False, local_attention(False), "local-attention LocalAttention",
+                  "peer: window_size 256, one block back and forward = 768 keys a query; ours: window 768",
+                  options=dict(window=768)),
+    "local_causal": Pair("local", True, local_attention(True),
                          "local-attention LocalAttention causal",
                          "peer: window_size 256, look back 1 block = 257–512 keys, 384 on average; "
-                         "ours: window 384"),
-    "nystrom": Pair("nystrom", False, ours_module("nystrom", num_landmarks=256), nystrom_module,
-                    "nystrom-attention NystromAttention",
+                         "ours: window 384", options=dict(window=384)),
+    "nystrom": Pair("nystrom", False, nystrom_module, "nystrom-attention NystromAttention",
                     "256 landmarks, 6 pinv iterations, d_model 512, 8 heads, whole module "
-                    "(the peer adds a depthwise residual conv of 33 taps)", scope="module"),
-    "efficient": Pair("efficient", False, ours_core("efficient", False), lat_linear,
-                      "linear-attention-transformer linear_attn",
+                    "(the peer adds a depthwise residual conv of 33 taps)", scope="module",
+                    options=dict(num_landmarks=256)),
+    "efficient": Pair("efficient", False, lat_linear, "linear-attention-transformer linear_attn",
                       "softmax of q over features, of k over positions"),
-    "linear": Pair("linear", False, ours_core("linear", False), fast_transformers("linear"),
+    "linear": Pair("linear", False, fast_transformers("linear"),
                    "fast-transformers LinearAttention (C++ build)", "elu + 1 features"),
-    "linear_causal": Pair("linear", True, ours_core("linear", True), fast_transformers("causal"),
+    "linear_causal": Pair("linear", True, fast_transformers("causal"),
                           "fast-transformers CausalLinearAttention (C++ kernel)", "elu + 1 features"),
-    "taylor": Pair("taylor", False, ours_core("taylor", False), None),
-    "taylor_causal": Pair("taylor", True, ours_core("taylor", True), None),
-    "log_sparse": Pair("log_sparse", False, ours_core("log_sparse", False), None),
-    "log_sparse_causal": Pair("log_sparse", True, ours_core("log_sparse", True), None),
-    "strided": Pair("strided", False, ours_core("strided", False), None),
-    "strided_causal": Pair("strided", True, ours_core("strided", True), None),
-    "fixed": Pair("fixed", False, ours_core("fixed", False), None),
-    "fixed_causal": Pair("fixed", True, ours_core("fixed", True), None),
-    "lsh_causal": Pair("lsh", True, ours_core("lsh", True, shared_qk=True), None),
-    "linformer_core": Pair("linformer", False, ours_core("linformer", False), None),
-    "nystrom_core": Pair("nystrom", False, ours_core("nystrom", False, num_landmarks=256), None),
+    "taylor": Pair("taylor", False, None),
+    "taylor_causal": Pair("taylor", True, None),
+    "log_sparse": Pair("log_sparse", False, None),
+    "log_sparse_causal": Pair("log_sparse", True, None),
+    "strided": Pair("strided", False, None),
+    "strided_causal": Pair("strided", True, None),
+    "fixed": Pair("fixed", False, None),
+    "fixed_causal": Pair("fixed", True, None),
+    "lsh_causal": Pair("lsh", True, None, shared_qk=True),
+    "linformer_core": Pair("linformer", False, None),
+    "nystrom_core": Pair("nystrom", False, None, options=dict(num_landmarks=256)),
 }
 
 
@@ -316,7 +314,7 @@ def child(pair: str, side: str, L: int, repeats: int, backward: bool, threads: i
     torch.set_num_threads(threads)
     p = PAIRS[pair]
     try:
-        case = (p.ours if side == "ours" else p.peer)(L)
+        case = ours_case(p, L) if side == "ours" else p.peer(L)
         return measure_side(case, repeats, backward)
     except ImportError as err:
         return {"status": f"not installed: {err.name}"}
@@ -439,7 +437,9 @@ def floor_s(pair: Pair, L: int, doc: dict) -> float | None:
     spec = attnzoo.get(pair.mechanism)
     if spec.flops is None:
         return None
-    flops = spec.flops(B, H, L, L, D, D, pair.causal, attnzoo.registry.make_options(spec, {}))
+    layer_only = {f.name for f in dataclasses.fields(spec.layer_options)} if spec.layer_options else set()
+    options = {n: o for n, o in pair_options(pair, L).items() if n not in layer_only}
+    flops = spec.flops(B, H, L, L, D, D, pair.causal, attnzoo.registry.make_options(spec, options))
     if pair.scope == "module":
         flops += 4 * 2.0 * B * L * D_MODEL * D_MODEL
     return flops / (doc["machine"]["matmul_gflops"] * 1e9)

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import attnzoo
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks" / "peers.py")
@@ -68,3 +71,33 @@ def test_report_ratios_and_targets():
     assert "0.60 ✗" in lsh and "0.19 ✓" in lsh  # memory 300 / 1600
     vs_sdpa = next(line for line in text.splitlines() if line.startswith("| log_sparse | no"))
     assert "0.05 ✓" in vs_sdpa  # 0.2 s against SDPA's 4.0 s at 16384: ≤ 0.2
+
+
+def test_floor_counts_the_pairs_own_options():
+    """nystrom runs with 256 landmarks (default 64) and local with window 768 (default 256):
+    the floor that decides a target must count the work of those, not of the defaults."""
+    doc = _doc({})
+    rate = doc["machine"]["matmul_gflops"] * 1e9
+    B, H, D, L = peers.B, peers.H, peers.D, 4096
+    nystrom = attnzoo.get("nystrom")
+    work = nystrom.flops(B, H, L, L, D, D, False, nystrom.options(num_landmarks=256))
+    projections = 4 * 2.0 * B * L * peers.D_MODEL**2
+    assert peers.floor_s(peers.PAIRS["nystrom"], L, doc) == pytest.approx((work + projections) / rate)
+    local = attnzoo.get("local")
+    work = local.flops(B, H, L, L, D, D, False, local.options(window=768))
+    assert peers.floor_s(peers.PAIRS["local"], L, doc) == pytest.approx(work / rate)
+
+
+@pytest.mark.parametrize("pair", ["lsh", "lsh_causal"])
+def test_shared_qk_pairs_run_lsh_with_shared_qk(pair):
+    """k = q and the shared_qk option (normalised keys, self penalty), as the peer's shared QK."""
+    p = peers.PAIRS[pair]
+    got = peers.ours_case(p, 40).fwd()
+    q, _, v = peers._qkv(40)
+    options = {n: o for n, o in p.options.items()}
+
+    def ours(shared_qk):
+        return attnzoo.attention(q, q, v, mechanism="lsh", causal=p.causal, shared_qk=shared_qk,
+                                 generator=torch.Generator().manual_seed(0), **options)
+    torch.testing.assert_close(got, ours(True))
+    assert not torch.allclose(got, ours(False))
