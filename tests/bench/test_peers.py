@@ -101,3 +101,23 @@ def test_shared_qk_pairs_run_lsh_with_shared_qk(pair):
                                  generator=torch.Generator().manual_seed(0), **options)
     torch.testing.assert_close(got, ours(True))
     assert not torch.allclose(got, ours(False))
+
+
+def test_cheap_cells_get_more_rounds():
+    quick, slow = {"child_s": 5.0}, {"child_s": peers.CHEAP_S + 1}
+    assert peers.cell_rounds({"ours": [], "peer": []}, 2, 4) == 2  # nothing run yet
+    assert peers.cell_rounds({"ours": [quick], "peer": [quick]}, 2, 4) == 4
+    assert peers.cell_rounds({"ours": [quick], "peer": [slow]}, 2, 4) == 2  # one slow side: no more
+    assert peers.cell_rounds({"ours": [quick]}, 3, 0) == 3  # --cheap-rounds off
+
+
+def test_parent_runs_cheap_cells_more_rounds(tmp_path):
+    out = tmp_path / "perf.md"
+    argv = ["--only", "taylor", "--lengths", "17", "--repeats", "1", "--no-backward", "--rounds", "1",
+            "--cheap-rounds", "2", "--out", str(out)]
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers.py"), *argv], capture_output=True,
+                   text=True, check=True)
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["cells"]["taylor/17"]["ours"]["rounds"] == 2
+    assert doc["cells"]["full/17"]["ours"]["rounds"] == 2  # SDPA, added for the ratio
+    assert "2 where every process took under" in out.read_text()
