@@ -75,6 +75,11 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
         for Lq, Lk in [(9, 11), (11, 9), (10, 10)]:
             check_against_reference(name, Lq=Lq, Lk=Lk, causal=True, masked=True, options={"chunk": 2})
         check_gradcheck(name, Lq=6, Lk=7, causal=True, masked=True, options={"chunk": 2})
+        # blocks of three chunks: each chunk reads kv0 plus the chunks before it in its block
+        monkeypatch.setattr(linear, "causal_rows", lambda B, H, chunk, width: 3 * chunk)
+        for Lq, Lk in [(13, 15), (15, 13)]:
+            check_against_reference(name, Lq=Lq, Lk=Lk, causal=True, masked=True, options={"chunk": 2})
+        check_gradcheck(name, Lq=8, Lk=9, causal=True, masked=True, options={"chunk": 2})
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -60,9 +60,9 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
     """Causal Σ_{j<=i} (φq_i·φk_j) v1_j for aligned queries and keys, plus the state after them.
 
     phi_q, phi_k (B, H, L, F), v1 (B, H, L, X), kv0 (B, H, F, X) the state before.
-    Chunked: within a chunk a masked (chunk × chunk) product; across chunks the
-    cumulative sum of per-chunk states, (B, H, L/chunk, F, X), each chunk reading the
-    state after the one before it. Memory
+    Chunked: within a chunk a masked (chunk × chunk) product; across chunks each chunk's
+    queries read the state before it, kv0 plus the states of the chunks before, a
+    (L/chunk, L/chunk) triangular sum of per-chunk states (B, H, L/chunk, F, X). Memory
     O(L·chunk + (L/chunk)·F·X), time O(L·(chunk + F)·X) — no (L, F, X) tensor.
     """
     B, H, L, Fdim = phi_q.shape
@@ -72,19 +72,12 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
     pq, pk, pv = ((F.pad(t, (0, 0, 0, pad)) if pad else t).view(B, H, nc, chunk, -1)
                   for t in (phi_q, phi_k, v1))
     scores = (pq @ pk.transpose(-1, -2)).tril_()  # (B, H, nc, chunk, chunk), j <= i within the chunk
-    out = scores @ pv  # (B, H, nc, chunk, X): the part within each chunk
-    states = pk.transpose(-1, -2) @ pv  # (B, H, nc, F, X): each chunk's Σ φ(k) v1ᵀ ...
-    states[:, :, 0] += kv0
-    if nc > 1:
-        states = torch.cumsum(states, 2)  # ... now the state after each chunk
-    # plus each chunk's queries against the state ahead of it: kv0, then the chunk before's
-    out[:, :, 0] = torch.baddbmm(out[:, :, 0].flatten(0, 1), pq[:, :, 0].flatten(0, 1),
-                                 kv0.flatten(0, 1)).view(B, H, chunk, X)
-    if nc > 1:
-        out[:, :, 1:] = torch.baddbmm(out[:, :, 1:].flatten(0, 2), pq[:, :, 1:].flatten(0, 2),
-                                      states[:, :, :-1].flatten(0, 2)).view(B, H, nc - 1, chunk, X)
-    # the state on its own: a view would keep every chunk's state alive (the causal engine saves it)
-    return out.view(B, H, nc * chunk, X)[:, :, :L], states[:, :, -1].clone()
+    states = pk.transpose(-1, -2) @ pv  # (B, H, nc, F, X): each chunk's Σ φ(k) v1ᵀ
+    earlier = torch.ones(nc, nc, dtype=states.dtype, device=states.device).tril_(-1)  # (a cumsum
+    # over this middle dim is slower than the matmul)
+    before = (earlier @ states.flatten(-2)).view_as(states) + kv0.unsqueeze(2)  # (B, H, nc, F, X)
+    out = torch.baddbmm((scores @ pv).flatten(0, 2), pq.flatten(0, 2), before.flatten(0, 2))  # + state before
+    return out.view(B, H, nc * chunk, X)[:, :, :L], before[:, :, -1] + states[:, :, -1]
 
 
 STREAM_BLOCK = 2**18  # feature values (all batches and heads) computed at a time: 1 MiB in float32
@@ -93,6 +86,12 @@ STREAM_BLOCK = 2**18  # feature values (all batches and heads) computed at a tim
 def stream_rows(t: torch.Tensor, width: int) -> int:
     """Positions per block so a block's B·H·rows·width values stay in cache."""
     return max(1, STREAM_BLOCK // (t.shape[0] * t.shape[1] * width))
+
+
+def causal_rows(B: int, H: int, chunk: int, width: int) -> int:
+    """Positions per block of the causal engine: whole chunks, so that a block's features,
+    chunk products and states stay in cache."""
+    return chunk * max(1, STREAM_BLOCK // (B * H * (chunk + width)) // chunk)
 
 
 def _backward_rows(t: torch.Tensor, width: int) -> int:
@@ -289,7 +288,7 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     Lq, Lk = q.shape[2], k.shape[2]
     off = causal_offset(Lq, Lk)
     blind, start = max(0, -off), max(0, off)  # queries that see nothing; keys everyone sees
-    rows = chunk * max(1, stream_rows(k, chunk + width) // chunk)  # a block's states stay in cache
+    rows = causal_rows(*q.shape[:2], chunk, width)
     (q_blind, q_al), (k_before, k_al), (v_before, v_al) = (
         q.split([blind, Lq - blind], 2), k.split([start, Lk - start], 2), v.split([start, Lk - start], 2))
     m_before, m_al = (None, None) if key_mask is None else key_mask.split([start, Lk - start], 1)
@@ -366,16 +365,18 @@ class _CausalBlocks(torch.autograd.Function):
         return dq, dk, dv, g_kv, None, None, None
 
 
-def kernel_flops(Lq, Lk, Fdim, Dv, causal, chunk) -> float:
-    """FLOPs of :func:`kernel_attention` for one (batch, head), features given."""
+def kernel_flops(B, H, Lq, Lk, Fdim, Dv, causal, chunk) -> float:
+    """FLOPs of :func:`kernel_attention`, features given."""
     X = Dv + 1
     if not causal:  # the streamed form's products: S = φ(K)ᵀV, then φ(q)·S (sums like z not counted)
-        return 2.0 * (Lk + Lq) * Fdim * Dv
+        return 2.0 * B * H * (Lk + Lq) * Fdim * Dv
     off = Lk - Lq
     aligned = min(Lq, Lk)
     n = -(-aligned // chunk) * chunk
     prefix = 2.0 * max(off, 0) * Fdim * X
-    return prefix + 2.0 * n * chunk * (Fdim + X) + 4.0 * n * Fdim * X
+    rows = causal_rows(B, H, chunk, Fdim)  # each block sums its chunks' states: an (nc, nc) product
+    before = sum(2.0 * (-(-min(rows, aligned - s) // chunk)) ** 2 * Fdim * X for s in range(0, aligned, rows))
+    return B * H * (prefix + 2.0 * n * chunk * (Fdim + X) + 4.0 * n * Fdim * X + before)
 
 
 def _feature_map(opts: LinearOptions):
@@ -426,7 +427,7 @@ def kernel_reference(phi_q, phi_k, v, *, causal, key_mask, eps):
 
 
 def linear_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
-    return B * H * kernel_flops(Lq, Lk, D, Dv, causal, opts.chunk)
+    return kernel_flops(B, H, Lq, Lk, D, Dv, causal, opts.chunk)
 
 
 def linear_reference(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=None, scale=None,

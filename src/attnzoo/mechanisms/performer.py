@@ -138,7 +138,7 @@ def performer_reference(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
 
 def performer_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
     m = opts.features.shape[0] if opts.features is not None else opts.nb_features
-    return B * H * (2.0 * (Lq + Lk) * m * D + kernel_flops(Lq, Lk, m, Dv, causal, opts.chunk))
+    return 2.0 * B * H * (Lq + Lk) * m * D + kernel_flops(B, H, Lq, Lk, m, Dv, causal, opts.chunk)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def taylor_reference(q, k, v, opts=TaylorOptions(), *, causal=False, key_mask=No
 
 
 def taylor_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
-    return B * H * kernel_flops(Lq, Lk, D + 1, Dv, causal, opts.chunk)
+    return kernel_flops(B, H, Lq, Lk, D + 1, Dv, causal, opts.chunk)
 
 
 register(
