@@ -129,3 +129,27 @@ def test_float32_keeps_a_query_that_sees_only_itself_exact():
                                        causal=True, shared_qk=True, bucket_size=4, n_hashes=4,
                                        generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(run(torch.float32).double(), run(torch.float64), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared_qk, across", [(True, False), (False, False), (True, True), (False, True)])
+def test_meeting_codes_say_who_meets(shared_qk, across):
+    """0 <= q_code − k_code <= 1 exactly when query and key share a bucket (unless across) and the
+    key's sorted chunk is the query's or the one before: the codes that count each key once."""
+    from attnzoo.mechanisms.lsh import LSHOptions, _buckets_and_order, _meeting_codes, _meets
+
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        q, k = torch.randn(2, 2, 61, 4, generator=g), torch.randn(2, 2, 61, 4, generator=g)
+        k[..., 0] += 2.0  # keys crowd into a few buckets: their sorted chunks drift from the queries'
+        opts = LSHOptions(bucket_size=2, n_hashes=3, n_buckets=16, shared_qk=shared_qk,
+                          attend_across_buckets=across)
+        qb, kb, qo, ko = _buckets_and_order(q, q if shared_qk else k, opts, g)
+        q_code, k_code = _meeting_codes(qb, kb, qo, ko, 2, opts)
+        assert q_code.dtype == torch.int16
+        for r in range(3):
+            qc = (qo[:, :, r].argsort(-1) // 2)[..., :, None]  # chunk of each query, as lsh_meetings
+            kc = (ko[:, :, r].argsort(-1) // 2)[..., None, :]
+            expected = _meets(qc, kc, qb[:, :, r, :, None], kb[:, :, r, None, :], across)
+            d = q_code[:, :, r, :, None].long() - k_code[:, :, r, None, :].long()
+            assert torch.equal((d >= 0) & (d <= 1), expected)
+            assert expected.sum() > 0 and (~expected).sum() > 0

@@ -151,7 +151,7 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     B, H, L, D = q.shape
     m = opts.bucket_size
     q_buckets, k_buckets, q_order, k_order = _buckets_and_order(q, keys, opts, generator)
-    q_code, k_code = _meeting_codes(q_buckets, q_order, m, opts), _meeting_codes(k_buckets, k_order, m, opts)
+    q_code, k_code = _meeting_codes(q_buckets, k_buckets, q_order, k_order, m, opts)
     plans = [_Round(r, q_buckets, k_buckets, q_order, k_order, q_code, k_code, key_mask, causal, opts)
              for r in range(opts.n_hashes)]
     flat_q = wide(q * softmax_scale(q, scale)).reshape(B * H * L, D)  # half precision: float32 inside
@@ -262,18 +262,37 @@ class _Round:
         return valid
 
 
-def _meeting_codes(buckets, order, m, opts):
-    """(B, H, n_hashes, L) int: two positions meet in a round iff 0 <= code(query) − code(key) <= 1.
+def _meeting_codes(q_buckets, k_buckets, q_order, k_order, m, opts):
+    """(q_code, k_code), each (B, H, n_hashes, L): query and key meet in a round iff
+    0 <= q_code − k_code <= 1. In int16 where the codes fit (a quarter of int64's bytes in
+    the compares that count each key once), else int32.
 
-    The code is the position's chunk after sorting, plus its bucket times a stride larger
-    than any chunk difference unless ``attend_across_buckets``.
+    Across buckets the code is the position's chunk after sorting. Within buckets, with
+    shared QK (one order) it is the sorted slot's segment: +1 at each new chunk, +2 at each
+    new bucket, so the chunk before in the same bucket is one less and anything else
+    differs by two or more; with separate orders it is the chunk plus the bucket times
+    n_chunks + 1, more than any chunk difference.
     """
-    L = order.shape[-1]
-    slots = torch.arange(L, device=order.device).expand_as(order)
-    chunk = torch.empty_like(order).scatter_(-1, order, slots) // m  # inverse permutation
-    if not opts.attend_across_buckets:
-        chunk = chunk + buckets * (L + 2)
-    return chunk.to(torch.int32)  # half the bytes of int64 in the compares
+    L = q_order.shape[-1]
+    nc = -(-L // m)
+    if opts.shared_qk and not opts.attend_across_buckets:
+        sorted_buckets = q_buckets.gather(-1, q_order)  # (B, H, n_hashes, L)
+        new_chunk = (torch.arange(1, L, device=q_order.device) % m == 0).to(torch.long)  # (L - 1,)
+        step = torch.where(sorted_buckets[..., 1:] != sorted_buckets[..., :-1], 2, new_chunk)
+        codes = [_by_position(F.pad(step.cumsum(-1), (1, 0)), q_order)]
+    else:
+        slots = torch.arange(L, device=q_order.device)
+        codes = [_by_position(slots // m, order) for order in (q_order, k_order)]  # chunks
+        if not opts.attend_across_buckets:
+            codes = [c + b * (nc + 1) for c, b in zip(codes, (q_buckets, k_buckets), strict=True)]
+    small = torch.int16 if max(int(c.max()) for c in codes) < 2**15 else torch.int32
+    codes = [c.to(small) for c in codes]
+    return codes[0], codes[-1]
+
+
+def _by_position(by_slot, order):
+    """Values of the sorted slots, (B, H, n_hashes, L) or broadcast to it, put back by position."""
+    return torch.empty_like(order).scatter_(-1, order, by_slot.expand_as(order))
 
 
 def _gather_code(code, r, idx):
