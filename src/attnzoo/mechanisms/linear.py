@@ -73,9 +73,10 @@ def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
                   for t in (phi_q, phi_k, v1))
     scores = (pq @ pk.transpose(-1, -2)).tril_()  # (B, H, nc, chunk, chunk), j <= i within the chunk
     states = pk.transpose(-1, -2) @ pv  # (B, H, nc, F, X): each chunk's Σ φ(k) v1ᵀ
-    earlier = torch.ones(nc, nc, dtype=states.dtype, device=states.device).tril_(-1)  # (a cumsum
-    # over this middle dim is slower than the matmul)
-    before = (earlier @ states.flatten(-2)).view_as(states) + kv0.unsqueeze(2)  # (B, H, nc, F, X)
+    before = kv0.unsqueeze(2)  # (B, H, 1, F, X): the state before the first chunk
+    if nc > 1:  # before chunk c: kv0 plus chunks 0..c-1, a triangular matmul (cumsum over this dim is slower)
+        earlier = torch.ones(nc, nc, dtype=states.dtype, device=states.device).tril_(-1)  # (nc, nc)
+        before = (earlier @ states.flatten(-2)).view_as(states) + before  # (B, H, nc, F, X)
     out = torch.baddbmm((scores @ pv).flatten(0, 2), pq.flatten(0, 2), before.flatten(0, 2))  # + state before
     return out.view(B, H, nc * chunk, X)[:, :, :L], before[:, :, -1] + states[:, :, -1]
 
@@ -375,7 +376,8 @@ def kernel_flops(B, H, Lq, Lk, Fdim, Dv, causal, chunk) -> float:
     n = -(-aligned // chunk) * chunk
     prefix = 2.0 * max(off, 0) * Fdim * X
     rows = causal_rows(B, H, chunk, Fdim)  # each block sums its chunks' states: an (nc, nc) product
-    before = sum(2.0 * (-(-min(rows, aligned - s) // chunk)) ** 2 * Fdim * X for s in range(0, aligned, rows))
+    chunks = [-(-min(rows, aligned - s) // chunk) for s in range(0, aligned, rows)]  # a block's chunks
+    before = sum(2.0 * nc**2 * Fdim * X for nc in chunks if nc > 1)
     return B * H * (prefix + 2.0 * n * chunk * (Fdim + X) + 4.0 * n * Fdim * X + before)
 
 
