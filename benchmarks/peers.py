@@ -481,6 +481,7 @@ def _more_calls(doc: dict) -> str:
     return (f" (calls under {doc['timed_s'] / doc['repeats']:.2g} s are repeated, up to {doc['max_repeats']} "
             f"times, to fill about {doc['timed_s']:g} s)")
 
+
 def _more_rounds(doc: dict) -> str:
     """The report's note on the extra rounds of cheap cells (runs from before had none)."""
     if doc.get("cheap_rounds", 0) <= doc["rounds"]:
@@ -503,8 +504,8 @@ def report(doc: dict) -> str:
         f"Shape: B={B}, H={H}, D={D}, float32; module pairs on x (B, L, {D_MODEL}). Each side runs in a "
         f"fresh process, the side that goes first alternating from cell to cell, {doc['rounds']} round(s)"
         f"{_more_rounds(doc)} of {doc['repeats']} timed calls after a warm-up{_more_calls(doc)}; times are "
-        "medians of all timed "
-        "calls, memory is the peak extra resident memory of one call (median over rounds). Ratios are "
+        "medians of all timed calls, memory is the peak extra resident memory of one call (median over "
+        "rounds). Ratios are "
         "ours / peer: below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 "
         "(≤ 1.0 where the peer's forward is within 2× of the FLOP floor); ✓ meets it, ✗ misses it.",
         "",
