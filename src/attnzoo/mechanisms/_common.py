@@ -200,26 +200,28 @@ class _BlockAttention(torch.autograd.Function):
         grads = torch.zeros_like(q_flat), torch.zeros_like(k_flat), torch.zeros_like(v_flat)
         start = 0
         for g in plan.groups:
-            n, block = plan.q_rows(g).shape[2:]
+            q_rows = plan.q_rows(g)  # (B, H, n, block)
+            n, block = q_rows.shape[2:]
             slots = slice(start, start + n * block)
             start += n * block
             g_o, row_g, seen_g = (t[:, :, slots].unflatten(2, (n, block)) for t in (grad_o, row, seen))
-            add_group_grads(plan, g, (q_flat, k_flat, v_flat), grads, g_o, row_g, seen_g)
+            add_group_grads(plan, g, q_rows, (q_flat, k_flat, v_flat), grads, g_o, row_g, seen_g)
         if ctx.fused:
             grads[0].mul_(plan.fused_scale)
         return *grads, None
 
 
-def add_group_grads(plan, g, flats, grads, grad_o, row, keep, scale=None):
+def add_group_grads(plan, g, q_rows, flats, grads, grad_o, row, keep, scale=None):
     """Adds group g's share of a recomputing (flash-style) backward to ``grads`` = (dq, dk, dv),
-    flat rows like ``flats`` = (q_flat, k_flat, v_flat), in place.
+    flat rows like ``flats`` = (q_flat, k_flat, v_flat), in place; ``q_rows`` is
+    ``plan.q_rows(g)`` (B, H, n, block), which the callers have taken already.
 
     The weights are recomputed as softmax(scores)·``scale`` (B, H, n, block) (None = 1): the
     group's own softmax, rescaled to the one being differentiated; rows where ``keep`` is
     False get none (scale must be finite there). With ``grad_o`` (B, H, n, block, Dv) and the
     per-row term ``row`` (B, H, n, block): d scores = p ⊙ (grad_o vᵀ + row).
     """
-    q_rows, k_rows = plan.q_rows(g), plan.k_rows(g)  # (B, H, n, block), (B, H, n, span)
+    k_rows = plan.k_rows(g)  # (B, H, n, span)
     q_g, k_g, v_g = (_rows(t, idx) for t, idx in zip(flats, (q_rows, k_rows, k_rows), strict=True))
     scores = q_g @ k_g.transpose(-1, -2)  # (B, H, n, block, span)
     valid = _prepare(plan, scores, g)

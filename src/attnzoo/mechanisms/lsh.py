@@ -194,7 +194,7 @@ class _Rounds(torch.autograd.Function):
                 start += n * m
                 keep = (plan.qi[:, :, g] >= 0) & torch.isfinite(own)  # real queries with a key here
                 scale = torch.where(keep, torch.exp(own - total[q_rows]), 0.0)  # round -> union
-                add_group_grads(plan, g, flats, grads, flat_grad[q_rows], row[q_rows], keep, scale)
+                add_group_grads(plan, g, q_rows, flats, grads, flat_grad[q_rows], row[q_rows], keep, scale)
         return *grads, None
 
 
@@ -274,7 +274,6 @@ def _meeting_codes(q_buckets, k_buckets, q_order, k_order, m, opts):
     n_chunks + 1, more than any chunk difference.
     """
     L = q_order.shape[-1]
-    nc = -(-L // m)
     if opts.shared_qk and not opts.attend_across_buckets:
         sorted_buckets = q_buckets.gather(-1, q_order)  # (B, H, n_hashes, L)
         new_chunk = (torch.arange(1, L, device=q_order.device) % m == 0).to(torch.long)  # (L - 1,)
@@ -284,7 +283,8 @@ def _meeting_codes(q_buckets, k_buckets, q_order, k_order, m, opts):
         slots = torch.arange(L, device=q_order.device)
         codes = [_by_position(slots // m, order) for order in (q_order, k_order)]  # chunks
         if not opts.attend_across_buckets:
-            codes = [c + b * (nc + 1) for c, b in zip(codes, (q_buckets, k_buckets), strict=True)]
+            stride = -(-L // m) + 1  # n_chunks + 1
+            codes = [c + b * stride for c, b in zip(codes, (q_buckets, k_buckets), strict=True)]
     small = torch.int16 if max(int(c.max()) for c in codes) < 2**15 else torch.int32
     codes = [c.to(small) for c in codes]
     return codes[0], codes[-1]
