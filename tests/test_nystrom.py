@@ -34,5 +34,23 @@ def test_segment_means_and_pinv():
     torch.testing.assert_close(iterative_pinv(a, 40), torch.linalg.pinv(a), atol=1e-8, rtol=1e-6)
 
 
+def test_pinv_steps_are_the_papers():
+    """Before convergence too: each step is Z ← ¼Z(13I − AZ(15I − AZ(7I − AZ))), written out."""
+    a = torch.softmax(3 * torch.randn(2, 3, 7, 7, dtype=torch.float64), -1)
+    eye = torch.eye(7, dtype=torch.float64)
+    z = a.transpose(-1, -2) / (a.abs().sum(-1).amax(-1) * a.abs().sum(-2).amax(-1))[..., None, None]
+    for steps in range(1, 4):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+        torch.testing.assert_close(iterative_pinv(a, steps), z, atol=1e-13, rtol=1e-12)
+
+
+def test_equal_segments_match_the_general_path():
+    x = torch.randn(2, 3, 12, 5, dtype=torch.float64)
+    everyone = torch.ones(2, 12, dtype=torch.bool)  # a mask takes the index_add_ path
+    for m in (1, 3, 4, 12):
+        torch.testing.assert_close(segment_means(x, m), segment_means(x, m, everyone))
+
+
 def test_nystrom_gradcheck():
     check_gradcheck("nystrom", masked=True, Lq=6, Lk=7, options={"num_landmarks": 3})

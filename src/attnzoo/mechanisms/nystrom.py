@@ -29,6 +29,8 @@ def segment_means(x: torch.Tensor, m: int, key_mask: torch.Tensor | None = None)
     key_mask, only real rows count; a segment with none gives 0."""
     L = x.shape[2]
     m = min(m, L)
+    if key_mask is None and L % m == 0:  # equal segments: a view (index_add_ is ~5× slower)
+        return x.view(*x.shape[:2], m, L // m, x.shape[-1]).mean(3)
     segment = torch.arange(L, device=x.device) * m // L  # segment of each position, 0..m-1
     if key_mask is None:
         counts = torch.bincount(segment, minlength=m).to(x.dtype)[:, None]  # (m, 1)
@@ -46,15 +48,27 @@ def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
 
     Departure: the norms are per matrix; the official code takes one maximum over
     the whole batch, which lets one sequence change another's result.
+
+    Each step is four matmuls and one elementwise pass: with P = AZ, the factor ¼ moved
+    onto the first bracket, ¼(7I − P), and the signs carried so that every other
+    bracket is a product plus a constant on its diagonal.
     """
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     abs_a = a.abs()
     norm = abs_a.sum(-1).amax(-1) * abs_a.sum(-2).amax(-1)  # (...,)
     z = a.transpose(-1, -2) / norm[..., None, None]
     for _ in range(iterations):
-        az = a @ z
-        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+        p = a @ z  # P = AZ
+        x = _add_eye(p * -0.25, 7 / 4)  # ¼(7I − P)
+        x = _add_eye(p @ x, -15 / 4)  # −¼(15I − P(7I − P))
+        x = _add_eye(p @ x, 13 / 4)  # ¼(13I − P(15I − P(7I − P)))
+        z = z @ x
     return z
+
+
+def _add_eye(t: torch.Tensor, c: float) -> torch.Tensor:
+    """t + c·I on its last two dims, in place (t is fresh)."""
+    t.diagonal(dim1=-2, dim2=-1).add_(c)
+    return t
 
 
 def _landmarks(q, k, opts, key_mask):
