@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 import attnzoo
 from attnzoo.mechanisms import sparse_transformer
+from attnzoo.mechanisms._common import fused_partial
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck
 
@@ -32,6 +33,30 @@ def test_a2_in_chunks(monkeypatch, name):
     options = {"stride": 4, "c": 2} if name == "fixed" else {"stride": 4}
     for causal in (False, True):
         check_against_reference(name, Lq=21, Lk=23, causal=causal, masked=True, options=options)
+
+
+@pytest.mark.parametrize("mask_entries", [2**20, 24])
+def test_fixed_a2_by_the_fused_kernel(monkeypatch, mask_entries):
+    """Without autograd and padding keys, A2 goes through torch's fused kernel (24 mask
+    entries: a few rows a chunk), and must give what the reference does."""
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return fused_partial(*args)
+
+    monkeypatch.setattr(sparse_transformer, "FUSED_A2_MASK", mask_entries)
+    monkeypatch.setattr(sparse_transformer, "fused_partial", counted)
+    for causal in (False, True):
+        for heads in ("union", "split"):
+            for L, stride, c in ((23, 4, 2), (24, 6, 3), (5, 8, 1)):
+                options = {"stride": stride, "c": c, "heads": heads}
+                check_against_reference("fixed", Lq=L, Lk=L, causal=causal, options=options,
+                                        backward=False)
+    assert len(calls) >= 12  # every case
+    calls.clear()
+    check_against_reference("fixed", Lq=23, Lk=23, options={"stride": 4})  # autograd: not fused
+    assert not calls
 
 
 def test_fixed_with_larger_c():

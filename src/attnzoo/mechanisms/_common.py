@@ -58,6 +58,29 @@ def partial_softmax(scores: torch.Tensor, valid: torch.Tensor | None, v: torch.T
     return o, lse.squeeze(-1)
 
 
+def fused_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
+    """:func:`partial_softmax` of the scores q·kᵀ (q taken as scaled) by torch's fused CPU
+    kernel, for a forward without autograd (it keeps no weights, but has no backward for lse).
+
+    q (B, H, R, D), k (B, H, n, D), v (B, H, n, D) (the kernel needs Dv = D), ``valid`` (R, n)
+    bool, the same for every batch and head. Returns ``(o (B, H, R, D), lse (B, H, R))``;
+    rows with no valid key give o = 0, lse = -inf (the kernel itself would give lse 0).
+    """
+    mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=mask[None, None], scale=1.0)[:2]
+    empty = ~valid.any(-1)  # (R,)
+    if bool(empty.any()):
+        o, lse = o.masked_fill(empty[:, None], 0.0), lse.masked_fill(empty, float("-inf"))
+    return o, lse
+
+
+def fused_kernel_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`fused_partial` (and the fused band forward) can run: on the CPU, float32
+    or float64, Dv = D."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and v.shape[-1] == q.shape[-1]
+
+
 class _LogSumExp(torch.autograd.Function):
     """lse of the rows of ``scores`` whose softmax is ``p``: m − log(max p), with gradient p
     (the scores themselves are not kept for the backward; p is, by the softmax anyway)."""
@@ -103,8 +126,8 @@ def merge_partials(parts):
     safe_lse = finite_or_zero(lse)
     out = None
     for o, part_lse in parts:
-        term = torch.exp(part_lse - safe_lse).unsqueeze(-1) * o
-        out = term if out is None else out.add_(term)
+        w = torch.exp(part_lse - safe_lse).unsqueeze(-1)  # (B, H, Lq, 1)
+        out = o * w if out is None else out.addcmul_(o, w)  # one new (B, H, Lq, Dv) tensor in all
     return out, lse
 
 
@@ -253,8 +276,7 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     ``(o (B, H, L, Dv), lse (B, H, L))``.
     """
     B, H, L, D = q.shape
-    fused = (key_valid is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-             and v.shape[-1] == D)  # torch's fused kernel: no padding keys, Dv = D (see _Band.fused_forward)
+    fused = key_valid is None and fused_kernel_fits(q, k, v)  # no padding keys (see _Band.fused_forward)
     band = _Band(B, H, L, block, left, right, allowed, key_valid, q.device, scale if fused else None)
     q_flat = pad_to(q if fused else scaled(q, scale), band.Lp).reshape(-1, D)  # the kernel scales itself;
     # the groups take q scaled once here, not each score
