@@ -4,7 +4,7 @@ the mechanisms pass (full, broadcast over batch and heads, over keys, per key, n
 import pytest
 import torch
 
-from attnzoo.mechanisms._common import partial_softmax, window_partial
+from attnzoo.mechanisms._common import exp_, partial_softmax, window_partial
 
 
 def _plain(scores, valid, v):
@@ -70,3 +70,11 @@ def test_window_partial_with_its_scale_matches_the_dense_band(causal, lse_grad):
     loss = lambda o, lse: (o * w_o).sum() + ((lse * w_lse).sum() if lse_grad else 0)  # noqa: E731
     grads = torch.autograd.grad(loss(o, lse), (q, k, v))
     torch.testing.assert_close(grads, torch.autograd.grad(loss(o_ref, lse_ref), (q, k, v)))
+
+
+def test_exp_by_exp2_keeps_its_digits():
+    t = torch.linspace(-80, 80, 10001, dtype=torch.float64)
+    torch.testing.assert_close(exp_(t.clone()), torch.exp(t), rtol=1e-14, atol=0)
+    t32 = t.float()
+    err = (exp_(t32.clone()).double() - torch.exp(t32.double())).abs() / torch.exp(t32.double())
+    assert bool((err <= t.abs() * 8e-8 + 2e-7).all())  # the rounding of t·log2 e, and exp2's own

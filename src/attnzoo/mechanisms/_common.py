@@ -15,6 +15,17 @@ import math
 import torch
 import torch.nn.functional as F
 
+LOG2E = 1.0 / math.log(2.0)
+
+
+def exp_(t: torch.Tensor) -> torch.Tensor:
+    """e^t in place, as 2^(t·log2 e) (callers pass a fresh tensor): torch's float32 ``exp`` on
+    the CPU runs 2–3× slower than its ``exp2`` (AVX512 kernels, measured). The price is the
+    rounding of t·log2 e: ≤ |t|·6e-8 relative in float32 (6e-7 at |t| = 10), ~1e-16·|t| in
+    float64.
+    """
+    return t.mul_(LOG2E).exp2_()
+
 
 def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import finite_or_zero
+from attnzoo.mechanisms._common import exp_, finite_or_zero
 from attnzoo.mechanisms.linear import _no_scale, stream_kernel
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -41,7 +41,7 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     def finish(q_blk, S, z):  # σ_col(K)ᵀV = S / z: (B, H, D, Dv)
         return torch.softmax(q_blk, dim=-1) @ (S / z.unsqueeze(-1).clamp(min=torch.finfo(S.dtype).tiny))
 
-    return stream_kernel(q, k, v, lambda k_blk, mask: (torch.sub(k_blk, c).exp_(), None), finish,
+    return stream_kernel(q, k, v, lambda k_blk, mask: (exp_(torch.sub(k_blk, c)), None), finish,
                          key_mask=key_mask, width=k.shape[-1])
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import finite_or_zero, softmax_scale
+from attnzoo.mechanisms._common import exp_, finite_or_zero, softmax_scale
 from attnzoo.mechanisms.linear import (
     kernel_attention,
     kernel_flops,
@@ -85,8 +85,8 @@ def favor_exp(logits: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
     shift = 0.5 * math.log(logits.shape[-1])
     shift = shift if c is None else finite_or_zero(c) + shift
     if torch.is_grad_enabled() and logits.requires_grad:
-        return torch.exp_(logits - shift)  # autograd keeps logits (for c's max)
-    return logits.sub_(shift).exp_()  # callers pass fresh logits
+        return exp_(logits - shift)  # autograd keeps logits (for c's max)
+    return exp_(logits.sub_(shift))  # callers pass fresh logits
 
 
 def _features(q, opts, generator):
