@@ -78,3 +78,5 @@ def test_exp_by_exp2_keeps_its_digits():
     t32 = t.float()
     err = (exp_(t32.clone()).double() - torch.exp(t32.double())).abs() / torch.exp(t32.double())
     assert bool((err <= t.abs() * 8e-8 + 2e-7).all())  # the rounding of t·log2 e, and exp2's own
+    t16 = torch.linspace(-10, 10, 101, dtype=torch.float16)
+    assert torch.equal(exp_(t16.clone()), torch.exp(t16))  # half precision: exp itself

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms.prob_sparse import sample_keys, sizes
+from attnzoo.mechanisms.prob_sparse import sample_keys, sizes, top_queries
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
 
@@ -109,3 +109,13 @@ def test_connectivity_marks_active_rows():
     assert not m.triu(1).any()
     with pytest.raises(ValueError, match="pass q and k"):
         attnzoo.connectivity("prob_sparse", length=64)
+
+
+def test_ties_in_the_measure_go_to_the_earlier_query():
+    # Lq = 54 > Lk = 9, causal: query 45 sees one key, so M = 0 exactly, and query 46's six
+    # samples of its two keys are all one key here: a tie that topk broke one way in the fast
+    # path and the other in the reference (found by hypothesis)
+    check_against_reference("prob_sparse", B=1, H=2, Lq=54, Lk=9, D=4, seed=13, causal=True,
+                            options={"factor": 2, "chunk": 1})
+    M = torch.tensor([[0.0, 1.0, 0.0, 0.0, -torch.inf]])
+    assert top_queries(M, 3).tolist() == [[1, 0, 2]]

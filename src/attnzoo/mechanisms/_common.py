@@ -19,12 +19,16 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 def exp_(t: torch.Tensor) -> torch.Tensor:
-    """e^t in place, as 2^(t·log2 e) (callers pass a fresh tensor): torch's float32 ``exp`` on
-    the CPU runs 2–3× slower than its ``exp2`` (AVX512 kernels, measured). The price is the
-    rounding of t·log2 e: ≤ |t|·6e-8 relative in float32 (6e-7 at |t| = 10), ~1e-16·|t| in
-    float64.
+    """e^t in place (callers pass a fresh tensor); in float32 and float64 as 2^(t·log2 e).
+
+    torch's float32 ``exp`` on the CPU runs 2–3× slower than its ``exp2`` (AVX512 kernels,
+    measured). The price is the rounding of t·log2 e: ≤ |t|·6e-8 relative in float32
+    (6e-7 at |t| = 10), ~1e-16·|t| in float64. Half precision takes ``exp_`` itself: there
+    the product's rounding (|t|·2^-9 in float16) would cost more than the dtype loses anyway.
     """
-    return t.mul_(LOG2E).exp2_()
+    if t.dtype in (torch.float32, torch.float64):
+        return t.mul_(LOG2E).exp2_()
+    return t.exp_()
 
 
 def softmax_scale(q: torch.Tensor, scale: float | None) -> float:

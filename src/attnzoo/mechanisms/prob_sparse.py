@@ -59,9 +59,18 @@ def sample_keys(Lq, Lk, U_part, *, causal, key_mask, generator, device):
 
 
 def sparsity_measure(sampled_scores: torch.Tensor, Lk: int, variant: str) -> torch.Tensor:
-    """M = max - mean over the U_part sampled scores (official: max - sum / Lk)."""
-    divisor = Lk if variant == "official" else sampled_scores.shape[-1]
-    return sampled_scores.amax(-1) - sampled_scores.sum(-1) / divisor
+    """M = max - mean over the U_part sampled scores, as mean(max - s), which is exactly 0 when
+    the samples are equal (max - sum / U_part may round either way); official: max - sum / Lk."""
+    top = sampled_scores.amax(-1, keepdim=True)
+    if variant == "official":
+        return top.squeeze(-1) - sampled_scores.sum(-1) / Lk
+    return (top - sampled_scores).sum(-1) / sampled_scores.shape[-1]
+
+
+def top_queries(M: torch.Tensor, u: int) -> torch.Tensor:
+    """Indices (..., u) of the u largest M, ties to the earlier query (a query that sees one key
+    has M = 0 exactly: ties are common, and ``topk`` breaks them arbitrarily)."""
+    return torch.sort(M, dim=-1, descending=True, stable=True).indices[..., :u]
 
 
 def lazy_values(v, *, causal, key_mask, Lq, variant):
@@ -101,7 +110,7 @@ def _sampled_measure(q, k, index, Lk, opts):
     index = index.expand(B, -1, -1) + (torch.arange(B, device=q.device) * Lk)[:, None, None]
     index = index.permute(2, 0, 1).contiguous()  # (U_part, B, Lq): sample u of a chunk is one run
     top = q.new_empty(B, Lq, H)
-    total = q.new_empty(B, Lq, H)
+    total = q.new_empty(B, Lq, H)  # paper: Σ (max - s); official: Σ s (sparsity_measure's forms)
     for start in range(0, Lq, opts.chunk):
         rows = slice(start, start + opts.chunk)
         q_chunk = q_rows[:, rows]  # (B, C, H, D)
@@ -110,9 +119,13 @@ def _sampled_measure(q, k, index, Lk, opts):
             k_sample = k_rows.index_select(0, index[u, :, rows].flatten()).view(q_chunk.shape)
             torch.linalg.vecdot(q_chunk, k_sample, out=scores[u])
         torch.amax(scores, 0, out=top[:, rows])
-        torch.sum(scores, 0, out=total[:, rows])
-    divisor = Lk if opts.variant == "official" else U_part
-    return (top - total / divisor).transpose(1, 2)  # (B, H, Lq)
+        if opts.variant == "official":
+            torch.sum(scores, 0, out=total[:, rows])
+        else:
+            torch.sum(scores.neg_().add_(top[:, rows]), 0, out=total[:, rows])
+    if opts.variant == "official":
+        return (top - total / Lk).transpose(1, 2)  # (B, H, Lq)
+    return (total / U_part).transpose(1, 2)
 
 
 def _active_queries(q, k, opts, *, causal, key_mask, generator):
@@ -125,7 +138,7 @@ def _active_queries(q, k, opts, *, causal, key_mask, generator):
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # rank M in >= float32
         M = _sampled_measure(q.detach().to(wide), k.detach().to(wide), index, Lk, opts)
         M = M.masked_fill((seen == 0)[:, None], float("-inf"))
-    return M.topk(u, dim=-1, sorted=False).indices  # (B, H, u)
+    return top_queries(M, u)  # (B, H, u)
 
 
 def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, key_mask=None,
@@ -147,6 +160,8 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
       depend on the future.
     - u and U_part are at least 1 (the formula gives 0 at length 1).
     - Samples are shared across heads (as officially), one draw per batch entry.
+    - Ties in M go to the earlier query (``topk``'s order is arbitrary); M = 0 exactly for a
+      query whose samples are all one key.
     - Causal masks what each query attends to (active: j <= i; lazy: the prefix
       mean), but *which* queries are active is the top-u over the whole sequence,
       as in the paper: a later query can displace an earlier one. Use it where the
@@ -193,7 +208,7 @@ def prob_sparse_reference(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     M = sparsity_measure(sampled, Lk, opts.variant)
     M = M.masked_fill(~mask.any(-1), float("-inf"))
     active = torch.zeros(B, H, Lq, dtype=torch.bool, device=q.device)
-    active.scatter_(2, M.topk(u, dim=-1).indices, True)
+    active.scatter_(2, top_queries(M, u), True)
     weights = masked_softmax(scores, mask)
     uniform = mask.to(q.dtype)
     if not (opts.variant == "official" and causal):
