@@ -75,7 +75,8 @@ def partial_softmax(scores: torch.Tensor, valid: torch.Tensor | None, v: torch.T
 
 def fused_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
     """:func:`partial_softmax` of the scores q·kᵀ (q taken as scaled) by torch's fused CPU
-    kernel, for a forward without autograd (it keeps no weights, but has no backward for lse).
+    kernel, which keeps no weights; for a forward without autograd only (the kernel's
+    backward takes no gradient of lse, and merging partials gives lse one).
 
     q (B, H, R, D), k (B, H, n, D), v (B, H, n, D) (the kernel needs Dv = D), ``valid`` (R, n)
     bool, the same for every batch and head. Returns ``(o (B, H, R, D), lse (B, H, R))``;

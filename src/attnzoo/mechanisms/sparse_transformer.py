@@ -229,7 +229,8 @@ def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None
 
     Shapes as :func:`strided_attention`. Cost O(L·(l + c·L/l)·D) time and
     O(L·l + 2^20) forward memory per (batch, head): A1 as attention within each block,
-    A2 as attention to the c·L/l summary cells, by chunks of queries. Child et al., 2019.
+    A2 as attention to the c·L/l summary cells, by chunks of queries (without autograd, on
+    the CPU, by torch's fused kernel). Child et al., 2019.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
     l = _stride(opts, q.shape[2])
