@@ -31,6 +31,11 @@ def exp_(t: torch.Tensor) -> torch.Tensor:
     return t.exp_()
 
 
+def needs_grad(*ts: torch.Tensor) -> bool:
+    """Whether autograd will differentiate through any of ``ts`` here."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
 def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 

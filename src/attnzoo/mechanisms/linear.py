@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.masks import causal_offset, dense_mask
-from attnzoo.mechanisms._common import finite_or_zero
+from attnzoo.mechanisms._common import finite_or_zero, needs_grad
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -152,8 +152,7 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, width, closes_over=()):
     Tensors the maps close over (``closes_over``, e.g. random features) get no gradient from
     that backward: when one requires grad, plain autograd runs instead.
     """
-    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if grads and not any(t.requires_grad for t in closes_over):
+    if needs_grad(q, k, v) and not any(t.requires_grad for t in closes_over):
         return _StreamedKernel.apply(q, k, v, key_mask, phi_k, finish, width)
     return _stream_forward(q, k, v, key_mask, phi_k, finish, width)[0]
 
@@ -307,8 +306,7 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
 
     out = q_al.new_zeros(*q.shape[:2], 0, v.shape[-1])
     if Lq > blind:
-        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kv))
-        if grads and not any(t.requires_grad for t in closes_over):
+        if needs_grad(q, k, v, kv) and not any(t.requires_grad for t in closes_over):
             out, kv = _CausalBlocks.apply(q_al, k_al, v_al, kv, m_al, step, rows)
         else:
             out, kv = _causal_run(q_al, k_al, v_al, kv, m_al, step, rows)

@@ -24,6 +24,7 @@ from attnzoo.mechanisms._common import (
     fused_kernel_fits,
     fused_partial,
     merge_partials,
+    needs_grad,
     pad_to,
     partial_softmax,
     pattern_reference,
@@ -79,10 +80,6 @@ def _summary_cells(opts: FixedOptions, l: int) -> int:
 
 A2_SCORES_PER_CHUNK = 2**20  # strided's and fixed's A2: scores (all batches and heads) at a time
 FUSED_A2_MASK = 2**20  # fixed's A2 by the fused kernel: entries of a chunk's (rows, cells) mask
-
-
-def _grads(*ts: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 def _by_residue(t: torch.Tensor, l: int) -> torch.Tensor:
@@ -165,7 +162,7 @@ def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
     if key_valid is not None:
         kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l)[:, :, l - c:].reshape(B, 1, 1, -1)
         key_ok = key_ok & kv  # (B, 1, 1, m·c)
-    fused = key_valid is None and not _grads(q, k, v) and fused_kernel_fits(q, k, v)
+    fused = key_valid is None and not needs_grad(q, k, v) and fused_kernel_fits(q, k, v)
     rows = max(1, FUSED_A2_MASK // (m * c) if fused else A2_SCORES_PER_CHUNK // (B * H * m * c))
     parts = []
     for n, q_rows in enumerate(q.split(rows, 2)):  # split, not slices: one pass joins their gradients
