@@ -100,8 +100,8 @@ def _sampled_measure(q, k, index, Lk, opts):
 
     Queries go in chunks of ``opts.chunk``; for each sample u the chunk gathers one
     key row per query (all heads at once, from a (B·Lk, H·D) layout) into its
-    (U_part, chunk, H) scores, reduced to max and sum once per chunk, so the working
-    set stays in cache: O(chunk·(H·D + U_part·H)) memory.
+    (U_part, chunk, H) scores, reduced to M once per chunk by :func:`sparsity_measure`, so
+    the working set stays in cache: O(chunk·(H·D + U_part·H)) memory.
     """
     B, H, Lq, D = q.shape
     U_part = index.shape[-1]
@@ -109,8 +109,7 @@ def _sampled_measure(q, k, index, Lk, opts):
     q_rows = q.transpose(1, 2)  # (B, Lq, H, D), a view: vecdot reads it strided
     index = index.expand(B, -1, -1) + (torch.arange(B, device=q.device) * Lk)[:, None, None]
     index = index.permute(2, 0, 1).contiguous()  # (U_part, B, Lq): sample u of a chunk is one run
-    top = q.new_empty(B, Lq, H)
-    total = q.new_empty(B, Lq, H)  # paper: Σ (max - s); official: Σ s (sparsity_measure's forms)
+    M = q.new_empty(B, Lq, H)
     for start in range(0, Lq, opts.chunk):
         rows = slice(start, start + opts.chunk)
         q_chunk = q_rows[:, rows]  # (B, C, H, D)
@@ -118,14 +117,8 @@ def _sampled_measure(q, k, index, Lk, opts):
         for u in range(U_part):
             k_sample = k_rows.index_select(0, index[u, :, rows].flatten()).view(q_chunk.shape)
             torch.linalg.vecdot(q_chunk, k_sample, out=scores[u])
-        torch.amax(scores, 0, out=top[:, rows])
-        if opts.variant == "official":
-            torch.sum(scores, 0, out=total[:, rows])
-        else:
-            torch.sum(scores.neg_().add_(top[:, rows]), 0, out=total[:, rows])
-    if opts.variant == "official":
-        return (top - total / Lk).transpose(1, 2)  # (B, H, Lq)
-    return (total / U_part).transpose(1, 2)
+        M[:, rows] = sparsity_measure(scores.movedim(0, -1), Lk, opts.variant)  # (B, C, H)
+    return M.transpose(1, 2)  # (B, H, Lq)
 
 
 def _active_queries(q, k, opts, *, causal, key_mask, generator):
