@@ -49,9 +49,13 @@ def draw_features(m: int, D: int, *, orthogonal: bool, generator=None, device=No
 
 def favor_logits(x: torch.Tensor, W: torch.Tensor, scale: float) -> torch.Tensor:
     """W x' − ‖x'‖²/2 with x' = x·√scale: (B, H, L, m), the log of the unnormalised features."""
-    x = x * math.sqrt(scale)
-    Wt = W.to(x.dtype).T.contiguous()  # (D, m): a transposed view multiplies markedly slower
-    return (x @ Wt).sub_((x * x).sum(-1, keepdim=True).mul_(0.5))  # (B, H, L, m)
+    return _logits(x * math.sqrt(scale), W.to(x.dtype).T.contiguous())
+
+
+def _logits(xs: torch.Tensor, Wt: torch.Tensor) -> torch.Tensor:
+    """W x' − ‖x'‖²/2 for x' = ``xs`` (B, H, L, D) and Wt = Wᵀ (D, m), contiguous (a transposed
+    view multiplies markedly slower)."""
+    return (xs @ Wt).sub_((xs * xs).sum(-1, keepdim=True).mul_(0.5))  # (B, H, L, m)
 
 
 def key_constant(logits: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -89,6 +93,50 @@ def favor_exp(logits: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
     return exp_(logits.sub_(shift))  # callers pass fresh logits
 
 
+class _FavorMap(torch.autograd.Function):
+    """``(φ(x), c)`` as :func:`favor_features` computes them (the fast path's maps), with the
+    backward written out: autograd through the map's dozen elementwise steps made the
+    streamed backward about five times its forward.
+
+    x (B, H, n, D); W (m, D) and Wt = Wᵀ (D, m), both contiguous; ``reduce`` sets c: None,
+    "row" (each row's max, (B, H, n, 1)) or "block" (the max over the block's real keys,
+    ``key_mask`` (B, n) or None, (B, H, 1, 1)).
+    Backward, with l the logits: dl = dφ ⊙ φ, plus dc = d c_out − Σ dl (over c's span) at
+    the max; dx' = dl W − x' Σ_f dl; dx = √s dx'; dWᵀ = Σ x'ᵀ dl. As autograd's amax, dc is
+    split among the positions of the max, found as the largest feature (a logit within
+    rounding of the max shares in it too: a subgradient of the max, and dc ≈ 0 anyway, c
+    cancelling in the normalised output but for eps).
+    """
+
+    @staticmethod
+    def forward(ctx, x, W, Wt, root_s, reduce, key_mask):
+        xs = x * root_s  # (B, H, n, D)
+        logits = _logits(xs, Wt)  # (B, H, n, m)
+        c = None
+        if reduce == "row":
+            c = logits.amax(-1, keepdim=True)  # (B, H, n, 1)
+        elif reduce == "block":
+            c = key_constant(logits, key_mask)  # (B, H, 1, 1)
+        feat = favor_exp(logits, c)  # (logits are fresh: exp in place)
+        ctx.save_for_backward(xs, W, feat, c)
+        ctx.root_s, ctx.key_mask, ctx.dims = root_s, key_mask, (-1,) if reduce == "row" else (-1, -2)
+        return feat, c
+
+    @staticmethod
+    def backward(ctx, d_feat, d_c):
+        xs, W, feat, c = ctx.saved_tensors
+        dl = d_feat * feat  # d logits through the exp, (B, H, n, m)
+        if c is not None:  # c shifts every logit of its span, and is the largest of them
+            dc = -dl.sum(ctx.dims, keepdim=True) if d_c is None else d_c - dl.sum(ctx.dims, keepdim=True)
+            real = feat if ctx.key_mask is None else feat.masked_fill(~ctx.key_mask[:, None, :, None], -1.0)
+            top = real == real.amax(ctx.dims, keepdim=True)  # where the max is (the largest real feature)
+            share = dc.div_(top.sum(ctx.dims, keepdim=True)).masked_fill_(~torch.isfinite(c), 0.0)
+            dl.addcmul_(top, share)  # (no real key: c is no logit, and gets nothing)
+        dxs = torch.addcmul(dl @ W, xs, dl.sum(-1, keepdim=True), value=-1)  # (B, H, n, D)
+        dWt = xs.flatten(0, 2).T @ dl.flatten(0, 2) if ctx.needs_input_grad[2] else None  # (D, m)
+        return dxs * ctx.root_s, None, dWt, None, None, None
+
+
 def _features(q, opts, generator):
     W = opts.features
     if W is None:
@@ -115,16 +163,14 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     falls as m grows. Features are drawn from ``generator`` unless given.
     Choromanski et al., Rethinking Attention with Performers, ICLR 2021.
     """
-    W, s = _features(q, opts, generator), softmax_scale(q, scale)
-    W = W.to(q.dtype).T.contiguous().T  # favor_logits multiplies by W.T: contiguous once, not per block
+    W, root_s = _features(q, opts, generator).to(q.dtype), math.sqrt(softmax_scale(q, scale))
+    W, Wt = W.contiguous(), W.T.contiguous()  # once, not per block
 
     def phi_k(k_blk, mask):  # causal: c = 0, so no future key sets it; else each block's constant
-        logits = favor_logits(k_blk, W, s)
-        c = None if causal else key_constant(logits, mask)
-        return favor_exp(logits, c), c
+        return _FavorMap.apply(k_blk, W, Wt, root_s, None if causal else "block", mask)
 
-    out, _ = kernel_attention(q, k, v, lambda q_blk: favor_features(q_blk, W, s, stabilise="row"), phi_k,
-                              width=W.shape[0], causal=causal, key_mask=key_mask, eps=opts.eps,
+    out, _ = kernel_attention(q, k, v, lambda q_blk: _FavorMap.apply(q_blk, W, Wt, root_s, "row", None)[0],
+                              phi_k, width=W.shape[0], causal=causal, key_mask=key_mask, eps=opts.eps,
                               chunk=opts.chunk, closes_over=(W,))
     return out
 
