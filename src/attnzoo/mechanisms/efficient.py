@@ -37,12 +37,34 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     """
     _no_scale("efficient", scale)
     c = _column_max(k, key_mask)  # one pass over K, so the key blocks need no rescaling
-
-    def finish(q_blk, S, z):  # σ_col(K)ᵀV = S / z: (B, H, D, Dv)
-        return torch.softmax(q_blk, dim=-1) @ (S / z.unsqueeze(-1).clamp(min=torch.finfo(S.dtype).tiny))
-
-    return stream_kernel(q, k, v, lambda k_blk, mask: (exp_(torch.sub(k_blk, c)), None), finish,
+    return stream_kernel(q, k, v, lambda k_blk, mask: (exp_(torch.sub(k_blk, c)), None), _RowSoftmax(),
                          key_mask=key_mask, width=k.shape[-1])
+
+
+class _RowSoftmax:
+    """The finish of :func:`efficient_attention` (see :func:`stream_kernel`): a query block's
+    σ_row(q) (S / z), S / z = σ_col(K)ᵀV (B, H, D, Dv), and its backward written out:
+    with p = σ_row(q) and G = S / z, dp = g Gᵀ, dq by autograd through the softmax, dG = pᵀ g,
+    dS = dG / z, dz = −Σ_v dG ⊙ G / z (0 where z is clamped: no real key)."""
+
+    def __call__(self, q_blk, S, z):
+        return torch.softmax(q_blk, dim=-1) @ (S / _clamped(z))
+
+    def grad(self, q_blk, g, out, S, z):
+        q_b = q_blk.detach().requires_grad_()
+        with torch.enable_grad():
+            p = torch.softmax(q_b, dim=-1)  # (B, H, n, D)
+        zc = _clamped(z)  # (B, H, D, 1)
+        G = S / zc
+        torch.autograd.backward(p, g @ G.transpose(-1, -2))  # dq by softmax's own backward kernel
+        dG = p.detach().transpose(-1, -2) @ g  # (B, H, D, Dv)
+        dz = torch.where(z == zc.squeeze(-1), -torch.linalg.vecdot(dG, G) / z, 0.0)
+        return q_b.grad, dG.div_(zc), dz
+
+
+def _clamped(z):
+    """z (B, H, D) as (B, H, D, 1), at least the smallest normal number (no real key: S = 0 too)."""
+    return z.unsqueeze(-1).clamp(min=torch.finfo(z.dtype).tiny)
 
 
 def efficient_reference(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,

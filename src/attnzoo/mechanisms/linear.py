@@ -144,9 +144,13 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, width, closes_over=()):
     """Non-causal kernel attention streamed: S, z, _ = :func:`key_state`, then ``finish(q_block,
     S, z)`` (B, H, n, Dv) for each block of queries.
 
+    ``finish`` is an object: ``finish(q_block, S, z)`` the block's output, and
+    ``finish.grad(q_block, g, out, S, z)`` -> (dq, dS, dz) of the block, from its output
+    ``out`` and that output's gradient g (:class:`Normalised`).
+
     Under autograd the backward recomputes each block's features instead of keeping them
     (training memory O(L·(D + Dv)), not O(L·F)): query blocks give dS, dz and dq by
-    autograd through ``finish``; key blocks then take d feature = (v dSᵀ + dz)·e^(c_b − c_max)
+    ``finish.grad``; key blocks then take d feature = (v dSᵀ + dz)·e^(c_b − c_max)
     and dv = feature·dS, and autograd through ``phi_k`` for dk (the constants included: S and
     z carry e^(−c_max), which matters where a normaliser's eps does not scale with them).
     Tensors the maps close over (``closes_over``, e.g. random features) get no gradient from
@@ -175,25 +179,19 @@ class _StreamedKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_mask, phi_k, finish, width):
         out, S, z, c = _stream_forward(q, k, v, key_mask, phi_k, finish, width)
-        ctx.save_for_backward(q, k, v, key_mask, S, z, c)
+        ctx.save_for_backward(q, k, v, key_mask, S, z, c, out)
         ctx.maps = phi_k, finish, width
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, key_mask, S, z, c = ctx.saved_tensors
+        q, k, v, key_mask, S, z, c, out = ctx.saved_tensors
         phi_k, finish, width = ctx.maps
-        S_, z_ = S.detach().requires_grad_(), z.detach().requires_grad_()  # collect dS, dz
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         safe_c = None if c is None else finite_or_zero(c)
         with torch.enable_grad():
-            rows, start = _backward_rows(q, width), 0
-            for q_blk, g_blk in zip(q.split(rows, 2), grad.split(rows, 2), strict=True):
-                q_b = q_blk.detach().requires_grad_()
-                torch.autograd.backward(finish(q_b, S_, z_), g_blk)
-                dq[:, :, start:start + q_b.shape[2]] = q_b.grad
-                start += q_b.shape[2]
-            dS, dz = S_.grad, z_.grad.unsqueeze(2)  # (B, H, F, Dv), (B, H, 1, F)
+            dS, dz = _query_grads(q, grad, out, S, z, finish, dq, _backward_rows(q, width))
+            dz = dz.unsqueeze(2)  # (B, H, 1, F)
             if c is not None:  # d c_max: (B, H, 1, F)
                 d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
             rows, start = _backward_rows(k, width), 0
@@ -220,6 +218,17 @@ class _StreamedKernel(torch.autograd.Function):
                 torch.autograd.backward(outputs, grads)
                 dk[:, :, n] = k_b.grad
         return dq, dk, dv, None, None, None, None
+
+
+def _query_grads(q, grad, out, S, z, finish, dq, rows):
+    """The streamed backward's query side, block by block by ``finish.grad``: writes dq in
+    place and returns (dS (B, H, F, Dv), dz (B, H, F))."""
+    dS = dz = None
+    for start in range(0, q.shape[2], rows):
+        n = slice(start, start + rows)
+        dq[:, :, n], dS_blk, dz_blk = finish.grad(q[:, :, n], grad[:, :, n], out[:, :, n], S, z)
+        dS, dz = (dS_blk, dz_blk) if dS is None else (dS.add_(dS_blk), dz.add_(dz_blk))
+    return dS, dz
 
 
 def _key_features(phi_k, k_blk, mask):
@@ -261,6 +270,36 @@ def join_blocks(blocks, total):
     return out
 
 
+@dataclass(frozen=True)
+class Normalised:
+    """The non-causal finish of :func:`kernel_attention`: a query block's φ(q)S / (φ(q)·z + eps),
+    and its backward written out (autograd through it took about twice the forward)."""
+
+    phi_q: Callable[[torch.Tensor], torch.Tensor]
+    eps: float
+
+    def __call__(self, q_blk, S, z):
+        f = self.phi_q(q_blk)  # (B, H, n, F)
+        return (f @ S) / self._den(f, z)
+
+    def _den(self, f, z):
+        """φ(q)·z + eps (B, H, n, 1), by vecdot (a matvec in bmm is slow)."""
+        return torch.linalg.vecdot(f, z.unsqueeze(-2)).unsqueeze(-1).add_(self.eps)
+
+    def grad(self, q_blk, g, out, S, z):
+        """(dq, dS, dz) of a query block from the gradient g of its output ``out``: with
+        den = φ·z + eps, g_num = g/den and g_den = −(g·out)/den, dφ = g_num Sᵀ + g_den zᵀ,
+        dS = φᵀ g_num, dz = φᵀ g_den; dq by autograd through φ alone."""
+        q_b = q_blk.detach().requires_grad_()
+        with torch.enable_grad():
+            f = self.phi_q(q_b)  # (B, H, n, F)
+        fd = f.detach()
+        g_num = g / self._den(fd, z)  # (B, H, n, Dv)
+        g_den = torch.linalg.vecdot(g_num, out).unsqueeze(-1).neg_()  # (B, H, n, 1)
+        torch.autograd.backward(f, (g_num @ S.transpose(-1, -2)).addcmul_(g_den, z.unsqueeze(-2)))
+        return q_b.grad, fd.transpose(-1, -2) @ g_num, (fd * g_den).sum(2)
+
+
 def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chunk, kv0=None,
                      closes_over=()):
     """The shared engine: normalised kernel attention with feature maps applied block by block.
@@ -278,12 +317,7 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     ``closes_over``: tensors the maps use (see :func:`stream_kernel`).
     """
     if not causal:
-        def finish(q_blk, S, z):
-            f = phi_q(q_blk)  # (B, H, n, F)
-            den = torch.linalg.vecdot(f, z.unsqueeze(-2)).unsqueeze(-1)  # φ(q)·z (a matvec in bmm is slow)
-            return (f @ S) / (den + eps)
-
-        return stream_kernel(q, k, v, phi_k, finish, key_mask=key_mask, width=width,
+        return stream_kernel(q, k, v, phi_k, Normalised(phi_q, eps), key_mask=key_mask, width=width,
                              closes_over=closes_over), None
     Lq, Lk = q.shape[2], k.shape[2]
     off = causal_offset(Lq, Lk)
