@@ -4,7 +4,7 @@ the mechanisms pass (full, broadcast over batch and heads, over keys, per key, n
 import pytest
 import torch
 
-from attnzoo.mechanisms._common import exp_, partial_softmax, window_partial
+from attnzoo.mechanisms._common import exp_, minus_inf_where_not_, partial_softmax, window_partial
 
 
 def _plain(scores, valid, v):
@@ -80,3 +80,17 @@ def test_exp_by_exp2_keeps_its_digits():
     assert bool((err <= t.abs() * 8e-8 + 2e-7).all())  # the rounding of t·log2 e, and exp2's own
     t16 = torch.linspace(-10, 10, 101, dtype=torch.float16)
     assert torch.equal(exp_(t16.clone()), torch.exp(t16))  # half precision: exp itself
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_minus_inf_where_not_is_the_masked_fill(dtype):
+    """Bitwise the masked fill it replaces, for a full mask, masks broadcast either way and
+    every key invalid in some rows; scores of both signs and zero stay as they were."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 3, 5, 7, generator=g).to(dtype)
+    t[0, 0, 0] = 0.0
+    for shape in [(2, 3, 5, 7), (2, 3, 5, 1), (5, 7), (7,)]:
+        valid = torch.rand(shape, generator=g) > 0.4
+        valid.view(-1)[:1] = False
+        expected = t.masked_fill(~valid, float("-inf"))
+        assert torch.equal(minus_inf_where_not_(t.clone(), valid), expected)
