@@ -50,7 +50,7 @@ class _RowSoftmax:
     def __call__(self, q_blk, S, z):
         return torch.softmax(q_blk, dim=-1) @ (S / _clamped(z))
 
-    def grad(self, q_blk, g, out, S, z):
+    def grad(self, q_blk, g, S, z):
         q_b = q_blk.detach().requires_grad_()
         with torch.enable_grad():
             p = torch.softmax(q_b, dim=-1)  # (B, H, n, D)

@@ -145,8 +145,8 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, width, closes_over=()):
     S, z)`` (B, H, n, Dv) for each block of queries.
 
     ``finish`` is an object: ``finish(q_block, S, z)`` the block's output, and
-    ``finish.grad(q_block, g, out, S, z)`` -> (dq, dS, dz) of the block, from its output
-    ``out`` and that output's gradient g (:class:`Normalised`).
+    ``finish.grad(q_block, g, S, z)`` -> (dq, dS, dz) of the block, from that output's
+    gradient g (:class:`Normalised`).
 
     Under autograd the backward recomputes each block's features instead of keeping them
     (training memory O(L·(D + Dv)), not O(L·F)): query blocks give dS, dz and dq by
@@ -179,18 +179,18 @@ class _StreamedKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_mask, phi_k, finish, width):
         out, S, z, c = _stream_forward(q, k, v, key_mask, phi_k, finish, width)
-        ctx.save_for_backward(q, k, v, key_mask, S, z, c, out)
+        ctx.save_for_backward(q, k, v, key_mask, S, z, c)
         ctx.maps = phi_k, finish, width
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, key_mask, S, z, c, out = ctx.saved_tensors
+        q, k, v, key_mask, S, z, c = ctx.saved_tensors
         phi_k, finish, width = ctx.maps
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         safe_c = None if c is None else finite_or_zero(c)
         with torch.enable_grad():
-            dS, dz = _query_grads(q, grad, out, S, z, finish, dq, _backward_rows(q, width))
+            dS, dz = _query_grads(q, grad, S, z, finish, dq, _backward_rows(q, width))
             dz = dz.unsqueeze(2)  # (B, H, 1, F)
             if c is not None:  # d c_max: (B, H, 1, F)
                 d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
@@ -220,13 +220,13 @@ class _StreamedKernel(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _query_grads(q, grad, out, S, z, finish, dq, rows):
+def _query_grads(q, grad, S, z, finish, dq, rows):
     """The streamed backward's query side, block by block by ``finish.grad``: writes dq in
     place and returns (dS (B, H, F, Dv), dz (B, H, F))."""
     dS = dz = None
     for start in range(0, q.shape[2], rows):
         n = slice(start, start + rows)
-        dq[:, :, n], dS_blk, dz_blk = finish.grad(q[:, :, n], grad[:, :, n], out[:, :, n], S, z)
+        dq[:, :, n], dS_blk, dz_blk = finish.grad(q[:, :, n], grad[:, :, n], S, z)
         dS, dz = (dS_blk, dz_blk) if dS is None else (dS.add_(dS_blk), dz.add_(dz_blk))
     return dS, dz
 
@@ -286,16 +286,18 @@ class Normalised:
         """φ(q)·z + eps (B, H, n, 1), by vecdot (a matvec in bmm is slow)."""
         return torch.linalg.vecdot(f, z.unsqueeze(-2)).unsqueeze(-1).add_(self.eps)
 
-    def grad(self, q_blk, g, out, S, z):
-        """(dq, dS, dz) of a query block from the gradient g of its output ``out``: with
-        den = φ·z + eps, g_num = g/den and g_den = −(g·out)/den, dφ = g_num Sᵀ + g_den zᵀ,
-        dS = φᵀ g_num, dz = φᵀ g_den; dq by autograd through φ alone."""
+    def grad(self, q_blk, g, S, z):
+        """(dq, dS, dz) of a query block from the gradient g of its output: with num = φS,
+        den = φ·z + eps, g_num = g/den and g_den = −(g_num·num)/den, dφ = g_num Sᵀ + g_den zᵀ,
+        dS = φᵀ g_num, dz = φᵀ g_den; dq by autograd through φ alone. (num is recomputed: a
+        saved output, read here, let the heap keep ~3 output sizes between calls.)"""
         q_b = q_blk.detach().requires_grad_()
         with torch.enable_grad():
             f = self.phi_q(q_b)  # (B, H, n, F)
         fd = f.detach()
-        g_num = g / self._den(fd, z)  # (B, H, n, Dv)
-        g_den = torch.linalg.vecdot(g_num, out).unsqueeze(-1).neg_()  # (B, H, n, 1)
+        den = self._den(fd, z)
+        g_num = g / den  # (B, H, n, Dv)
+        g_den = torch.linalg.vecdot(g_num, fd @ S).unsqueeze(-1).div_(den).neg_()  # (B, H, n, 1)
         torch.autograd.backward(f, (g_num @ S.transpose(-1, -2)).addcmul_(g_den, z.unsqueeze(-2)))
         return q_b.grad, fd.transpose(-1, -2) @ g_num, (fd * g_den).sum(2)
 
