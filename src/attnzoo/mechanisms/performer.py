@@ -75,12 +75,17 @@ def favor_features(x: torch.Tensor, W: torch.Tensor, scale: float, *, stabilise:
     keeps it finite).
     """
     logits = favor_logits(x, W, scale)
-    c = None
+    return favor_exp(logits, _constant(logits, stabilise, key_mask))
+
+
+def _constant(logits: torch.Tensor, stabilise: str, key_mask: torch.Tensor | None):
+    """c of :func:`favor_features`' ``stabilise``: (B, H, L, 1) for "row", (B, H, 1, 1) for
+    "all", None for "none"."""
     if stabilise == "row":
-        c = logits.amax(-1, keepdim=True)
-    elif stabilise == "all":
-        c = key_constant(logits, key_mask)
-    return favor_exp(logits, c)
+        return logits.amax(-1, keepdim=True)
+    if stabilise == "all":
+        return key_constant(logits, key_mask)
+    return None
 
 
 def favor_exp(logits: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
@@ -98,9 +103,9 @@ class _FavorMap(torch.autograd.Function):
     backward written out: autograd through the map's dozen elementwise steps made the
     streamed backward about five times its forward.
 
-    x (B, H, n, D); W (m, D) and Wt = Wᵀ (D, m), both contiguous; ``reduce`` sets c: None,
-    "row" (each row's max, (B, H, n, 1)) or "block" (the max over the block's real keys,
-    ``key_mask`` (B, n) or None, (B, H, 1, 1)).
+    x (B, H, n, D); W (m, D) and Wt = Wᵀ (D, m), both contiguous; ``stabilise`` as in
+    :func:`favor_features` ("all": the max over the block's real keys, ``key_mask`` (B, n)
+    or None).
     Backward, with l the logits: dl = dφ ⊙ φ, plus dc = d c_out − Σ dl (over c's span) at
     the max; dx' = dl W − x' Σ_f dl; dx = √s dx'; dWᵀ = Σ x'ᵀ dl. As autograd's amax, dc is
     split among the positions of the max, found as the largest feature (a logit within
@@ -109,17 +114,13 @@ class _FavorMap(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, W, Wt, root_s, reduce, key_mask):
+    def forward(ctx, x, W, Wt, root_s, stabilise, key_mask):
         xs = x * root_s  # (B, H, n, D)
         logits = _logits(xs, Wt)  # (B, H, n, m)
-        c = None
-        if reduce == "row":
-            c = logits.amax(-1, keepdim=True)  # (B, H, n, 1)
-        elif reduce == "block":
-            c = key_constant(logits, key_mask)  # (B, H, 1, 1)
+        c = _constant(logits, stabilise, key_mask)
         feat = favor_exp(logits, c)  # (logits are fresh: exp in place)
         ctx.save_for_backward(xs, W, feat, c)
-        ctx.root_s, ctx.key_mask, ctx.dims = root_s, key_mask, (-1,) if reduce == "row" else (-1, -2)
+        ctx.root_s, ctx.key_mask, ctx.dims = root_s, key_mask, (-1,) if stabilise == "row" else (-1, -2)
         return feat, c
 
     @staticmethod
@@ -169,7 +170,7 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     W, Wt = W.contiguous(), W.T.contiguous()  # once, not per block
 
     def phi_k(k_blk, mask):  # causal: c = 0, so no future key sets it; else each block's constant
-        return _FavorMap.apply(k_blk, W, Wt, root_s, None if causal else "block", mask)
+        return _FavorMap.apply(k_blk, W, Wt, root_s, "none" if causal else "all", mask)
 
     out, _ = kernel_attention(q, k, v, lambda q_blk: _FavorMap.apply(q_blk, W, Wt, root_s, "row", None)[0],
                               phi_k, width=W.shape[0], causal=causal, key_mask=key_mask, eps=opts.eps,
