@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms.linear import LinearOptions, linear_step
+from attnzoo.mechanisms.linear import LinearOptions, elu_feature_map, linear_step
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
 
@@ -26,6 +26,20 @@ def test_normaliser_is_there_unlike_the_seed_notebook():
     torch.testing.assert_close(out, seed_cell / (normaliser + 1e-6))
     # Each output is a convex combination of the values: inside their range.
     assert (out <= v.amax(2, keepdim=True) + 1e-12).all() and (out >= v.amin(2, keepdim=True) - 1e-12).all()
+
+
+def test_elu_feature_map_is_elu_plus_one_and_more_exact_below_zero():
+    x = torch.linspace(-20, 20, 4001, dtype=torch.float64, requires_grad=True)
+    elu1 = torch.nn.functional.elu(x) + 1
+    phi = elu_feature_map(x)
+    torch.testing.assert_close(phi, elu1, atol=1e-15, rtol=1e-14)  # (elu1 rounds e^x to ~1e-16)
+    g = torch.randn_like(phi)
+    torch.testing.assert_close(torch.autograd.grad(phi, x, g)[0], torch.autograd.grad(elu1, x, g)[0],
+                               atol=1e-15, rtol=1e-14)
+    x32 = x.detach().float()  # float32: within a few roundings of e^x, where expm1(x) + 1 is not
+    exact = torch.nn.functional.elu(x32.double()) + 1
+    assert ((elu_feature_map(x32).double() - exact).abs() / exact).max() < 1e-6
+    assert ((torch.nn.functional.elu(x32).double() + 1 - exact).abs() / exact).max() > 1e-3
 
 
 def test_custom_feature_map():
