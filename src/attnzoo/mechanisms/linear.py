@@ -72,38 +72,34 @@ class LinearState:
     kv: torch.Tensor
 
 
-def _with_ones(v: torch.Tensor) -> torch.Tensor:
-    """Append a ones column so one matmul gives numerator and normaliser: (..., Dv+1)."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], -1)
+def _causal_prefix(phi_q, phi_k, v, S0, z0, chunk, eps):
+    """Causal normalised kernel attention for aligned queries and keys, from the state before them.
 
-
-def _finish(num_den: torch.Tensor, eps: float) -> torch.Tensor:
-    return num_den[..., :-1] / (num_den[..., -1:] + eps)
-
-
-def _causal_prefix(phi_q, phi_k, v1, kv0, chunk):
-    """Causal Σ_{j<=i} (φq_i·φk_j) v1_j for aligned queries and keys, plus the state after them.
-
-    phi_q, phi_k (B, H, L, F), v1 (B, H, L, X), kv0 (B, H, F, X) the state before.
-    Chunked: within a chunk a masked (chunk × chunk) product; across chunks each chunk's
-    queries read the state before it, kv0 plus the states of the chunks before, a
-    (L/chunk, L/chunk) triangular sum of per-chunk states (B, H, L/chunk, F, X). Memory
-    O(L·chunk + (L/chunk)·F·X), time O(L·(chunk + F)·X) — no (L, F, X) tensor.
+    phi_q, phi_k (B, H, L, F), v (B, H, L, Dv); S0 (B, H, F, Dv) and z0 (B, H, F), the state
+    before. Returns (out (B, H, L, Dv), S, z after). Chunked: within a chunk a masked
+    (chunk × chunk) product A; across chunks each chunk's queries read the state before it,
+    (S0, z0) plus the chunks before, a (L/chunk, L/chunk) triangular sum of per-chunk states
+    (B, H, L/chunk, F, Dv). The normaliser is A's row sums plus φ(q)·z: no ones column on v
+    (products with Dv + 1 columns ran at a third of the machine's matmul rate). Memory
+    O(L·chunk + (L/chunk)·F·Dv), time O(L·(chunk + F)·Dv) — no (L, F, Dv) tensor.
     """
     B, H, L, Fdim = phi_q.shape
-    X = v1.shape[-1]
+    Dv = v.shape[-1]
     nc = -(-L // chunk)
     pad = nc * chunk - L
     pq, pk, pv = ((F.pad(t, (0, 0, 0, pad)) if pad else t).view(B, H, nc, chunk, -1)
-                  for t in (phi_q, phi_k, v1))
+                  for t in (phi_q, phi_k, v))
     scores = (pq @ pk.transpose(-1, -2)).tril_()  # (B, H, nc, chunk, chunk), j <= i within the chunk
-    states = pk.transpose(-1, -2) @ pv  # (B, H, nc, F, X): each chunk's Σ φ(k) v1ᵀ
-    before = kv0.unsqueeze(2)  # (B, H, 1, F, X): the state before the first chunk
-    if nc > 1:  # before chunk c: kv0 plus chunks 0..c-1, a triangular matmul (cumsum over this dim is slower)
-        earlier = torch.ones(nc, nc, dtype=states.dtype, device=states.device).tril_(-1)  # (nc, nc)
-        before = (earlier @ states.flatten(-2)).view_as(states) + before  # (B, H, nc, F, X)
-    out = torch.baddbmm((scores @ pv).flatten(0, 2), pq.flatten(0, 2), before.flatten(0, 2))  # + state before
-    return out.view(B, H, nc * chunk, X)[:, :, :L], before[:, :, -1] + states[:, :, -1]
+    S_c, z_c = pk.transpose(-1, -2) @ pv, pk.sum(3)  # (B, H, nc, F, Dv), (B, H, nc, F): each chunk's
+    S_before, z_before = S0.unsqueeze(2), z0.unsqueeze(2)  # the state before the first chunk
+    if nc > 1:  # before chunk c: the state plus chunks 0..c-1, a triangular matmul (cumsum is slower)
+        earlier = torch.ones(nc, nc, dtype=S_c.dtype, device=S_c.device).tril_(-1)  # (nc, nc)
+        S_before = (earlier @ S_c.flatten(-2)).view_as(S_c) + S_before  # (B, H, nc, F, Dv)
+        z_before = earlier @ z_c + z_before  # (B, H, nc, F)
+    num = torch.baddbmm((scores @ pv).flatten(0, 2), pq.flatten(0, 2), S_before.flatten(0, 2))
+    den = torch.linalg.vecdot(pq, z_before.unsqueeze(-2)) + scores.sum(-1)  # (B, H, nc, chunk)
+    out = num.view(B, H, nc * chunk, Dv)[:, :, :L] / den.view(B, H, nc * chunk, 1)[:, :, :L].add_(eps)
+    return out, S_before[:, :, -1] + S_c[:, :, -1], z_before[:, :, -1] + z_c[:, :, -1]
 
 
 STREAM_BLOCK = 2**18  # feature values (all batches and heads) computed at a time: 1 MiB in float32
@@ -353,62 +349,62 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     (q_blind, q_al), (k_before, k_al), (v_before, v_al) = (
         q.split([blind, Lq - blind], 2), k.split([start, Lk - start], 2), v.split([start, Lk - start], 2))
     m_before, m_al = (None, None) if key_mask is None else key_mask.split([start, Lk - start], 1)
-    kv = kv0
+    S, z = (None, None) if kv0 is None else (kv0[..., :-1], kv0[..., -1])
     for k_blk, v_blk, mask in _key_blocks(k_before, v_before, m_before, rows):  # the starting state
-        kv_blk = _key_features(phi_k, k_blk, mask)[0].transpose(-1, -2) @ _with_ones(v_blk)
-        kv = kv_blk if kv is None else kv + kv_blk
-    if kv is None:
-        kv = q.new_zeros(*q.shape[:2], width, v.shape[-1] + 1)
+        f_k = _key_features(phi_k, k_blk, mask)[0]  # (B, H, n, F)
+        S_blk, z_blk = f_k.transpose(-1, -2) @ v_blk, f_k.sum(2)
+        S, z = (S_blk, z_blk) if S is None else (S + S_blk, z + z_blk)
+    if S is None:
+        S, z = q.new_zeros(*q.shape[:2], width, v.shape[-1]), q.new_zeros(*q.shape[:2], width)
 
-    def step(q_blk, k_blk, v_blk, mask, kv):  # one aligned block from the state before it
+    def step(q_blk, k_blk, v_blk, mask, S, z):  # one aligned block from the state before it
         f_k = _key_features(phi_k, k_blk, mask)[0]
-        o, kv = _causal_prefix(phi_q(q_blk), f_k, _with_ones(v_blk), kv, chunk)
-        return _finish(o, eps), kv
+        return _causal_prefix(phi_q(q_blk), f_k, v_blk, S, z, chunk, eps)
 
     out = q_al.new_zeros(*q.shape[:2], 0, v.shape[-1])
     if Lq > blind:
-        if needs_grad(q, k, v, kv) and not any(t.requires_grad for t in closes_over):
-            out, kv = _CausalBlocks.apply(q_al, k_al, v_al, kv, m_al, step, rows)
+        if needs_grad(q, k, v, S, z) and not any(t.requires_grad for t in closes_over):
+            out, S, z = _CausalBlocks.apply(q_al, k_al, v_al, S, z, m_al, step, rows)
         else:
-            out, kv = _causal_run(q_al, k_al, v_al, kv, m_al, step, rows)
+            out, S, z = _causal_run(q_al, k_al, v_al, (S, z), m_al, step, rows)
     if blind:  # queries before the first key see nothing
         out = torch.cat([v.new_zeros(*q_blind.shape[:3], v.shape[-1]), out], 2)
-    return out, LinearState(kv)
+    return out, LinearState(torch.cat([S, z.unsqueeze(-1)], -1))
 
 
-def _causal_run(q, k, v, kv, key_mask, step, rows, states=None):
-    """``step`` over aligned blocks of ``rows`` positions in order, each from the state the one
-    before left: (out (B, H, L, Dv), final state); ``states`` collects the state before each."""
-    final = [kv]
+def _causal_run(q, k, v, state, key_mask, step, rows, states=None):
+    """``step`` over aligned blocks of ``rows`` positions in order, each from the state (S, z)
+    the one before left: (out (B, H, L, Dv), S, z after); ``states`` collects the state before each."""
+    final = [state]
 
     def blocks():
         for q_blk, (k_blk, v_blk, mask) in zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows),
                                                strict=True):
             if states is not None:
                 states.append(final[0])
-            o, final[0] = step(q_blk, k_blk, v_blk, mask, final[0])
+            o, *final[0] = step(q_blk, k_blk, v_blk, mask, *final[0])
             yield o
 
     out = join_blocks(blocks(), q.shape[2])
-    return out, final[0]
+    return (out, *final[0])
 
 
 class _CausalBlocks(torch.autograd.Function):
     """The causal engine's aligned blocks with a backward that walks them last to first,
-    recomputing each from its saved starting state (B, H, F, Dv+1): training keeps the
-    states, not every block's features and chunk products, and no per-block gradient
+    recomputing each from its saved starting state S (B, H, F, Dv), z (B, H, F): training keeps
+    the states, not every block's features and chunk products, and no per-block gradient
     waits for the others (dq, dk, dv are written in place)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv, key_mask, step, rows):
+    def forward(ctx, q, k, v, S, z, key_mask, step, rows):
         states = []
-        out, kv = _causal_run(q, k, v, kv, key_mask, step, rows, states)
-        ctx.save_for_backward(q, k, v, key_mask, *states)
+        out, S, z = _causal_run(q, k, v, (S, z), key_mask, step, rows, states)
+        ctx.save_for_backward(q, k, v, key_mask, *(t for state in states for t in state))
         ctx.step, ctx.rows = step, rows
-        return out, kv
+        return out, S, z
 
     @staticmethod
-    def backward(ctx, g_out, g_kv):
+    def backward(ctx, g_out, g_S, g_z):
         q, k, v, key_mask, *states = ctx.saved_tensors
         rows = ctx.rows  # (unused outputs' gradients come as zeros: materialize_grads)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -417,27 +413,27 @@ class _CausalBlocks(torch.autograd.Function):
         with torch.enable_grad():
             for n in reversed(range(len(blocks))):
                 q_blk, (k_blk, v_blk, mask), g_o = blocks[n]
-                q_b, k_b, v_b, kv_b = (t.detach().requires_grad_() for t in (q_blk, k_blk, v_blk, states[n]))
-                torch.autograd.backward(ctx.step(q_b, k_b, v_b, mask, kv_b), (g_o, g_kv))
+                q_b, k_b, v_b, S_b, z_b = (t.detach().requires_grad_()
+                                           for t in (q_blk, k_blk, v_blk, *states[2 * n:2 * n + 2]))
+                torch.autograd.backward(ctx.step(q_b, k_b, v_b, mask, S_b, z_b), (g_o, g_S, g_z))
                 at = slice(n * rows, n * rows + q_b.shape[2])
                 dq[:, :, at], dk[:, :, at], dv[:, :, at] = q_b.grad, k_b.grad, v_b.grad
-                g_kv = kv_b.grad
-        return dq, dk, dv, g_kv, None, None, None
+                g_S, g_z = S_b.grad, z_b.grad
+        return dq, dk, dv, g_S, g_z, None, None, None
 
 
 def kernel_flops(B, H, Lq, Lk, Fdim, Dv, causal, chunk) -> float:
-    """FLOPs of :func:`kernel_attention`, features given."""
-    X = Dv + 1
-    if not causal:  # the streamed form's products: S = φ(K)ᵀV, then φ(q)·S (sums like z not counted)
+    """FLOPs of :func:`kernel_attention`, features given (products; sums like z not counted)."""
+    if not causal:  # the streamed form's products: S = φ(K)ᵀV, then φ(q)·S
         return 2.0 * B * H * (Lk + Lq) * Fdim * Dv
     off = Lk - Lq
     aligned = min(Lq, Lk)
     n = -(-aligned // chunk) * chunk
-    prefix = 2.0 * max(off, 0) * Fdim * X
-    rows = causal_rows(B, H, chunk, Fdim)  # each block sums its chunks' states: an (nc, nc) product
+    prefix = 2.0 * max(off, 0) * Fdim * Dv
+    rows = causal_rows(B, H, chunk, Fdim)  # each block sums its chunks' S and z: (nc, nc) products
     chunks = [-(-min(rows, aligned - s) // chunk) for s in range(0, aligned, rows)]  # a block's chunks
-    before = sum(2.0 * nc**2 * Fdim * X for nc in chunks if nc > 1)
-    return B * H * (prefix + 2.0 * n * chunk * (Fdim + X) + 4.0 * n * Fdim * X + before)
+    before = sum(2.0 * nc**2 * Fdim * (Dv + 1) for nc in chunks if nc > 1)
+    return B * H * (prefix + 2.0 * n * chunk * (Fdim + Dv) + 4.0 * n * Fdim * Dv + before)
 
 
 def _feature_map(opts: LinearOptions):
