@@ -83,23 +83,79 @@ def _causal_prefix(phi_q, phi_k, v, S0, z0, chunk, eps):
     (products with Dv + 1 columns ran at a third of the machine's matmul rate). Memory
     O(L·chunk + (L/chunk)·F·Dv), time O(L·(chunk + F)·Dv) — no (L, F, Dv) tensor.
     """
-    B, H, L, Fdim = phi_q.shape
-    Dv = v.shape[-1]
-    nc = -(-L // chunk)
-    pad = nc * chunk - L
-    pq, pk, pv = ((F.pad(t, (0, 0, 0, pad)) if pad else t).view(B, H, nc, chunk, -1)
-                  for t in (phi_q, phi_k, v))
-    scores = (pq @ pk.transpose(-1, -2)).tril_()  # (B, H, nc, chunk, chunk), j <= i within the chunk
-    S_c, z_c = pk.transpose(-1, -2) @ pv, pk.sum(3)  # (B, H, nc, F, Dv), (B, H, nc, F): each chunk's
-    S_before, z_before = S0.unsqueeze(2), z0.unsqueeze(2)  # the state before the first chunk
-    if nc > 1:  # before chunk c: the state plus chunks 0..c-1, a triangular matmul (cumsum is slower)
-        earlier = torch.ones(nc, nc, dtype=S_c.dtype, device=S_c.device).tril_(-1)  # (nc, nc)
-        S_before = (earlier @ S_c.flatten(-2)).view_as(S_c) + S_before  # (B, H, nc, F, Dv)
-        z_before = earlier @ z_c + z_before  # (B, H, nc, F)
-    num = torch.baddbmm((scores @ pv).flatten(0, 2), pq.flatten(0, 2), S_before.flatten(0, 2))
-    den = torch.linalg.vecdot(pq, z_before.unsqueeze(-2)) + scores.sum(-1)  # (B, H, nc, chunk)
-    out = num.view(B, H, nc * chunk, Dv)[:, :, :L] / den.view(B, H, nc * chunk, 1)[:, :, :L].add_(eps)
-    return out, S_before[:, :, -1] + S_c[:, :, -1], z_before[:, :, -1] + z_c[:, :, -1]
+    L = phi_q.shape[2]
+    pq, pk, pv = _chunked((phi_q, phi_k, v), chunk)
+    c = _ChunkTerms(pq, pk, pv, S0, z0, eps)
+    out = (c.num / c.den.unsqueeze(-1)).flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
+    return out, c.S_before[:, :, -1] + c.S_c[:, :, -1], c.z_before[:, :, -1] + c.z_c[:, :, -1]
+
+
+def _causal_prefix_grad(phi_q, phi_k, v, S0, z0, chunk, eps, g, g_S, g_z):
+    """The gradients of :func:`_causal_prefix`'s (out, S, z) by (g, g_S, g_z), written out:
+    (d phi_q, d phi_k, dv, dS0, dz0). With g_num = g/den, g_den = −g_num·out and
+    dA = tril(g_num pvᵀ + g_den 1ᵀ) in each chunk: dpq = dA pk + g_num S_beforeᵀ + g_den z_beforeᵀ,
+    dpk = dAᵀ pq + pv dS_cᵀ + dz_c, dpv = Aᵀ g_num + pk dS_c, where a chunk's own state
+    takes the gradients of the states of the chunks after it (dS_c = Σ_later pqᵀ g_num + g_S)."""
+    L = phi_q.shape[2]
+    pq, pk, pv, pg = _chunked((phi_q, phi_k, v, g), chunk)
+    c = _ChunkTerms(pq, pk, pv, S0, z0, eps)
+    den = c.den.flatten(2)
+    den[:, :, L:] = 1.0  # padding rows (g = 0 there): no 0/0 when eps = 0
+    g_num = pg / c.den.unsqueeze(-1)  # (B, H, nc, chunk, Dv)
+    g_den = torch.linalg.vecdot(g_num, c.num).div_(c.den).neg_()  # (B, H, nc, chunk)
+    dA = _bmm(g_num, pv.transpose(-1, -2)).add_(g_den.unsqueeze(-1)).tril_()  # (B, H, nc, chunk, chunk)
+    d_pq = _bmm_add(_bmm(dA, pk), g_num, c.S_before.transpose(-1, -2)).addcmul_(
+        g_den.unsqueeze(-1), c.z_before.unsqueeze(-2))
+    dS_before, dz_before = _bmm(pq.transpose(-1, -2), g_num), (pq * g_den.unsqueeze(-1)).sum(3)
+    dS_c, dz_c = _running(dS_before, g_S, reverse=True), _running(dz_before, g_z, reverse=True)
+    d_pk = _bmm_add(_bmm(pv, dS_c.transpose(-1, -2)), dA.transpose(-1, -2), pq).add_(dz_c.unsqueeze(-2))
+    d_pv = _bmm_add(_bmm(pk, dS_c), c.scores.transpose(-1, -2), g_num)
+    return (*(t.flatten(2, 3)[:, :, :L] for t in (d_pq, d_pk, d_pv)),
+            dS_before.sum(2) + g_S, dz_before.sum(2) + g_z)
+
+
+def _chunked(ts, chunk):
+    """(B, H, L, X) tensors zero-padded to whole chunks, as contiguous (B, H, L/chunk, chunk, X):
+    a block sliced from a longer sequence is copied once here, not by each bmm that flattens it."""
+    L = ts[0].shape[2]
+    pad = -L % chunk
+    return [(F.pad(t, (0, 0, 0, pad)) if pad else t.contiguous()).unflatten(2, (-1, chunk)) for t in ts]
+
+
+def _running(x, x0, reverse=False):
+    """The state before each chunk, x0 + Σ_{c' < c} x[:, :, c'] (B, H, nc, ...); ``reverse``: the
+    gradient after each, x0 + Σ_{c' > c} x[:, :, c']. A loop of adds (nc is a few chunks): a
+    triangular matmul's transposes cost more copies than the sums."""
+    order = range(x.shape[2] - 1, 0, -1) if reverse else range(x.shape[2] - 1)
+    acc = [x0]
+    for c in order:
+        acc.append(acc[-1] + x[:, :, c])
+    return torch.stack(acc[::-1] if reverse else acc, 2)
+
+
+def _bmm(a, b):
+    """a @ b over (B, H, nc, ...) tensors by one bmm: a transposed operand stays a view (a
+    5-D matmul copies it)."""
+    return torch.bmm(a.flatten(0, 2), b.flatten(0, 2)).unflatten(0, a.shape[:3])
+
+
+def _bmm_add(t, a, b):
+    """t + a @ b over (B, H, nc, ...) tensors, into t (a fresh product) by one baddbmm_."""
+    t.flatten(0, 2).baddbmm_(a.flatten(0, 2), b.flatten(0, 2))  # (t is fresh: in place, no copy)
+    return t
+
+
+class _ChunkTerms:
+    """The chunked causal pass's terms (see :func:`_causal_prefix`), for its forward and backward:
+    scores A (B, H, nc, chunk, chunk), the chunks' states S_c (B, H, nc, F, Dv) and z_c
+    (B, H, nc, F), the states before each chunk, num (B, H, nc, chunk, Dv) and den (B, H, nc, chunk)."""
+
+    def __init__(self, pq, pk, pv, S0, z0, eps):
+        self.scores = _bmm(pq, pk.transpose(-1, -2)).tril_()  # j <= i within the chunk
+        self.S_c, self.z_c = _bmm(pk.transpose(-1, -2), pv), pk.sum(3)
+        self.S_before, self.z_before = _running(self.S_c, S0), _running(self.z_c, z0)
+        self.num = _bmm_add(_bmm(self.scores, pv), pq, self.S_before)
+        self.den = torch.linalg.vecdot(pq, self.z_before.unsqueeze(-2)).add_(self.scores.sum(-1)).add_(eps)
 
 
 STREAM_BLOCK = 2**18  # feature values (all batches and heads) computed at a time: 1 MiB in float32
@@ -347,8 +403,8 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     blind, start = max(0, -off), max(0, off)  # queries that see nothing; keys everyone sees
     rows = causal_rows(*q.shape[:2], chunk, width)
     (q_blind, q_al), (k_before, k_al), (v_before, v_al) = (
-        q.split([blind, Lq - blind], 2), k.split([start, Lk - start], 2), v.split([start, Lk - start], 2))
-    m_before, m_al = (None, None) if key_mask is None else key_mask.split([start, Lk - start], 1)
+        _split_at(q, blind, 2), _split_at(k, start, 2), _split_at(v, start, 2))
+    m_before, m_al = (None, None) if key_mask is None else _split_at(key_mask, start, 1)
     S, z = (None, None) if kv0 is None else (kv0[..., :-1], kv0[..., -1])
     for k_blk, v_blk, mask in _key_blocks(k_before, v_before, m_before, rows):  # the starting state
         f_k = _key_features(phi_k, k_blk, mask)[0]  # (B, H, n, F)
@@ -357,10 +413,7 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     if S is None:
         S, z = q.new_zeros(*q.shape[:2], width, v.shape[-1]), q.new_zeros(*q.shape[:2], width)
 
-    def step(q_blk, k_blk, v_blk, mask, S, z):  # one aligned block from the state before it
-        f_k = _key_features(phi_k, k_blk, mask)[0]
-        return _causal_prefix(phi_q(q_blk), f_k, v_blk, S, z, chunk, eps)
-
+    step = _CausalStep(phi_q, phi_k, chunk, eps)
     out = q_al.new_zeros(*q.shape[:2], 0, v.shape[-1])
     if Lq > blind:
         if needs_grad(q, k, v, S, z) and not any(t.requires_grad for t in closes_over):
@@ -370,6 +423,12 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     if blind:  # queries before the first key see nothing
         out = torch.cat([v.new_zeros(*q_blind.shape[:3], v.shape[-1]), out], 2)
     return out, LinearState(torch.cat([S, z.unsqueeze(-1)], -1))
+
+
+def _split_at(t, n, dim):
+    """``t`` split before position n of ``dim``; t itself as the second part when n = 0 (a split's
+    backward would copy the whole gradient into a new tensor)."""
+    return (t.narrow(dim, 0, 0), t) if n == 0 else t.split([n, t.shape[dim] - n], dim)
 
 
 def _causal_run(q, k, v, state, key_mask, step, rows, states=None):
@@ -391,9 +450,9 @@ def _causal_run(q, k, v, state, key_mask, step, rows, states=None):
 
 class _CausalBlocks(torch.autograd.Function):
     """The causal engine's aligned blocks with a backward that walks them last to first,
-    recomputing each from its saved starting state S (B, H, F, Dv), z (B, H, F): training keeps
-    the states, not every block's features and chunk products, and no per-block gradient
-    waits for the others (dq, dk, dv are written in place)."""
+    recomputing each from its saved starting state S (B, H, F, Dv), z (B, H, F) by
+    ``step.grad``: training keeps the states, not every block's features and chunk products,
+    and dq, dk, dv are written in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, S, z, key_mask, step, rows):
@@ -410,16 +469,38 @@ class _CausalBlocks(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         blocks = list(zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows), g_out.split(rows, 2),
                           strict=True))
-        with torch.enable_grad():
-            for n in reversed(range(len(blocks))):
-                q_blk, (k_blk, v_blk, mask), g_o = blocks[n]
-                q_b, k_b, v_b, S_b, z_b = (t.detach().requires_grad_()
-                                           for t in (q_blk, k_blk, v_blk, *states[2 * n:2 * n + 2]))
-                torch.autograd.backward(ctx.step(q_b, k_b, v_b, mask, S_b, z_b), (g_o, g_S, g_z))
-                at = slice(n * rows, n * rows + q_b.shape[2])
-                dq[:, :, at], dk[:, :, at], dv[:, :, at] = q_b.grad, k_b.grad, v_b.grad
-                g_S, g_z = S_b.grad, z_b.grad
+        for n in reversed(range(len(blocks))):
+            q_blk, (k_blk, v_blk, mask), g_o = blocks[n]
+            at = slice(n * rows, n * rows + q_blk.shape[2])
+            dq[:, :, at], dk[:, :, at], dv[:, :, at], g_S, g_z = ctx.step.grad(
+                q_blk, k_blk, v_blk, mask, *states[2 * n:2 * n + 2], g_o, g_S, g_z)
         return dq, dk, dv, g_S, g_z, None, None, None
+
+
+@dataclass(frozen=True)
+class _CausalStep:
+    """One aligned block of the causal engine from the state (S, z) before it (``__call__``),
+    and its backward (``grad``): the chunk algebra by :func:`_causal_prefix_grad`, then
+    autograd through the feature maps alone."""
+
+    phi_q: Callable
+    phi_k: Callable
+    chunk: int
+    eps: float
+
+    def __call__(self, q_blk, k_blk, v_blk, mask, S, z):
+        f_k = _key_features(self.phi_k, k_blk, mask)[0]
+        return _causal_prefix(self.phi_q(q_blk), f_k, v_blk, S, z, self.chunk, self.eps)
+
+    def grad(self, q_blk, k_blk, v_blk, mask, S, z, g_out, g_S, g_z):
+        """(dq, dk, dv, dS, dz) of the block from the gradients of its (out, S, z)."""
+        q_b, k_b = (t.detach().requires_grad_() for t in (q_blk, k_blk))
+        with torch.enable_grad():
+            f_q, f_k = self.phi_q(q_b), _key_features(self.phi_k, k_b, mask)[0]  # (B, H, n, F)
+        d_fq, d_fk, dv, dS, dz = _causal_prefix_grad(f_q.detach(), f_k.detach(), v_blk, S, z, self.chunk,
+                                                     self.eps, g_out, g_S, g_z)
+        torch.autograd.backward((f_q, f_k), (d_fq, d_fk))
+        return q_b.grad, k_b.grad, dv, dS, dz
 
 
 def kernel_flops(B, H, Lq, Lk, Fdim, Dv, causal, chunk) -> float:
@@ -430,10 +511,7 @@ def kernel_flops(B, H, Lq, Lk, Fdim, Dv, causal, chunk) -> float:
     aligned = min(Lq, Lk)
     n = -(-aligned // chunk) * chunk
     prefix = 2.0 * max(off, 0) * Fdim * Dv
-    rows = causal_rows(B, H, chunk, Fdim)  # each block sums its chunks' S and z: (nc, nc) products
-    chunks = [-(-min(rows, aligned - s) // chunk) for s in range(0, aligned, rows)]  # a block's chunks
-    before = sum(2.0 * nc**2 * Fdim * (Dv + 1) for nc in chunks if nc > 1)
-    return B * H * (prefix + 2.0 * n * chunk * (Fdim + Dv) + 4.0 * n * Fdim * Dv + before)
+    return B * H * (prefix + 2.0 * n * chunk * (Fdim + Dv) + 4.0 * n * Fdim * Dv)
 
 
 def _feature_map(opts: LinearOptions):
