@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms.nystrom import iterative_pinv, segment_means
+from attnzoo.mechanisms.nystrom import iterative_pinv, pinv_times, segment_means
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
 
@@ -43,6 +43,15 @@ def test_pinv_steps_are_the_papers():
         az = a @ z
         z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
         torch.testing.assert_close(iterative_pinv(a, steps), z, atol=1e-13, rtol=1e-12)
+
+
+def test_pinv_times_is_the_pinv_applied():
+    """The fast path applies the last step's bracket to b: the same numbers, grouped differently."""
+    a = torch.softmax(3 * torch.randn(2, 3, 7, 7, dtype=torch.float64), -1)
+    b = torch.randn(2, 3, 7, 4, dtype=torch.float64)
+    for steps in (1, 2, 6):
+        torch.testing.assert_close(pinv_times(a, b, steps), iterative_pinv(a, steps) @ b,
+                                   atol=1e-12, rtol=1e-10)
 
 
 def test_equal_segments_match_the_general_path():

@@ -53,16 +53,38 @@ def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
     onto the first bracket, ¼(7I − P), and the signs carried so that every other
     bracket is a product plus a constant on its diagonal.
     """
+    z = _pinv_start(a)
+    for _ in range(iterations):
+        z = z @ _pinv_step(a @ z)
+    return z
+
+
+def pinv_times(a: torch.Tensor, b: torch.Tensor, iterations: int) -> torch.Tensor:
+    """``iterative_pinv(a, iterations) @ b`` for a (..., m, m), b (..., m, n), n < m: the last
+    step's bracket applied to b instead of formed, ¼(13b − P(15b − P(7b − Pb))), four (m × n)
+    products in place of two (m × m) and the (m × m) @ (m × n) after it. The same iteration
+    (each step's P = AZ is recomputed from A), grouped differently."""
+    z = _pinv_start(a)
+    for _ in range(iterations - 1):
+        z = z @ _pinv_step(a @ z)
+    p = a @ z
+    x = 7.0 * b - p @ b  # (7I − P) b
+    x = 15.0 * b - p @ x  # (15I − P(7I − P)) b
+    return z @ (13.0 * b - p @ x).mul_(0.25)  # Z ¼(13I − P(15I − P(7I − P))) b
+
+
+def _pinv_start(a):
+    """Z₀ = Aᵀ / (‖A‖₁ ‖A‖_∞)."""
     abs_a = a.abs()
     norm = abs_a.sum(-1).amax(-1) * abs_a.sum(-2).amax(-1)  # (...,)
-    z = a.transpose(-1, -2) / norm[..., None, None]
-    for _ in range(iterations):
-        p = a @ z  # P = AZ
-        x = _add_eye(p * -0.25, 7 / 4)  # ¼(7I − P)
-        x = _add_eye(p @ x, -15 / 4)  # −¼(15I − P(7I − P))
-        x = _add_eye(p @ x, 13 / 4)  # ¼(13I − P(15I − P(7I − P)))
-        z = z @ x
-    return z
+    return a.transpose(-1, -2) / norm[..., None, None]
+
+
+def _pinv_step(p):
+    """The bracket of one step from P = AZ: ¼(13I − P(15I − P(7I − P)))."""
+    x = _add_eye(p * -0.25, 7 / 4)  # ¼(7I − P)
+    x = _add_eye(p @ x, -15 / 4)  # −¼(15I − P(7I − P))
+    return _add_eye(p @ x, 13 / 4)  # ¼(13I − P(15I − P(7I − P)))
 
 
 def _add_eye(t: torch.Tensor, c: float) -> torch.Tensor:
@@ -93,7 +115,7 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
     mask = None if key_mask is None else key_mask[:, None, None, :]
     kernel_3 = F.scaled_dot_product_attention(q_l, k, v, attn_mask=mask, scale=s)  # (B, H, m, Dv)
     kernel_2 = torch.softmax((q_l @ k_l.transpose(-1, -2)) * s, -1)  # (B, H, m, m)
-    middle = iterative_pinv(kernel_2, opts.pinv_iterations) @ kernel_3  # (B, H, m, Dv)
+    middle = pinv_times(kernel_2, kernel_3, opts.pinv_iterations)  # (B, H, m, Dv)
     out = F.scaled_dot_product_attention(q, k_l, middle, scale=s)
     return zero_empty_rows(out, causal=False, key_mask=key_mask, Lk=k.shape[2])
 
@@ -114,7 +136,7 @@ def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
 def nystrom_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
     m = min(opts.num_landmarks, Lq, Lk)  # (the segment means are sums, not products: uncounted)
     kernels = 2.0 * m * Lk * (D + Dv) + 2.0 * m * m * D + 2.0 * Lq * m * (D + Dv)
-    pinv = opts.pinv_iterations * 8.0 * m**3 + 2.0 * m * m * Dv
+    pinv = (opts.pinv_iterations - 1) * 8.0 * m**3 + 2.0 * m**3 + 8.0 * m * m * Dv  # (see pinv_times)
     return B * H * (kernels + pinv)
 
 
