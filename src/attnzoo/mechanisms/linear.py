@@ -78,9 +78,9 @@ def _causal_prefix(phi_q, phi_k, v, S0, z0, chunk, eps):
     phi_q, phi_k (B, H, L, F), v (B, H, L, Dv); S0 (B, H, F, Dv) and z0 (B, H, F), the state
     before. Returns (out (B, H, L, Dv), S, z after). Chunked: within a chunk a masked
     (chunk × chunk) product A; across chunks each chunk's queries read the state before it,
-    (S0, z0) plus the chunks before, a (L/chunk, L/chunk) triangular sum of per-chunk states
-    (B, H, L/chunk, F, Dv). The normaliser is A's row sums plus φ(q)·z: no ones column on v
-    (products with Dv + 1 columns ran at a third of the machine's matmul rate). Memory
+    (S0, z0) plus the per-chunk states (B, H, L/chunk, F, Dv) of the chunks before. The
+    normaliser is A's row sums plus φ(q)·z: no ones column on v (products with Dv + 1
+    columns ran at a third of the machine's matmul rate). Memory
     O(L·chunk + (L/chunk)·F·Dv), time O(L·(chunk + F)·Dv) — no (L, F, Dv) tensor.
     """
     L = phi_q.shape[2]
@@ -124,8 +124,8 @@ def _chunked(ts, chunk):
 
 def _running(x, x0, reverse=False):
     """The state before each chunk, x0 + Σ_{c' < c} x[:, :, c'] (B, H, nc, ...); ``reverse``: the
-    gradient after each, x0 + Σ_{c' > c} x[:, :, c']. A loop of adds (nc is a few chunks): a
-    triangular matmul's transposes cost more copies than the sums."""
+    gradient after each, x0 + Σ_{c' > c} x[:, :, c']. A loop of adds over a block's few chunks
+    (as fast as a triangular matmul here, and plain sums)."""
     order = range(x.shape[2] - 1, 0, -1) if reverse else range(x.shape[2] - 1)
     acc = [x0]
     for c in order:
@@ -134,8 +134,7 @@ def _running(x, x0, reverse=False):
 
 
 def _bmm(a, b):
-    """a @ b over (B, H, nc, ...) tensors by one bmm: a transposed operand stays a view (a
-    5-D matmul copies it)."""
+    """a @ b over (B, H, nc, ...) tensors by one bmm over the flattened (B·H·nc) batch."""
     return torch.bmm(a.flatten(0, 2), b.flatten(0, 2)).unflatten(0, a.shape[:3])
 
 
