@@ -35,6 +35,8 @@ def _elu_plus_one(x):
 
 
 class _EluPlusOne(torch.autograd.Function):
+    """φ = elu + 1 keeping only φ for its backward: dφ/dx = min(φ, 1) (e^x below 0, 1 above)."""
+
     @staticmethod
     def forward(ctx, x):
         phi = _elu_plus_one(x)
