@@ -53,7 +53,9 @@ def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
     onto the first bracket, ¼(7I − P), and the signs carried so that every other
     bracket is a product plus a constant on its diagonal.
     """
-    z = _pinv_start(a)
+    abs_a = a.abs()
+    norm = abs_a.sum(-1).amax(-1) * abs_a.sum(-2).amax(-1)  # (...,)
+    z = a.transpose(-1, -2) / norm[..., None, None]
     for _ in range(iterations):
         z = z @ _pinv_step(a @ z)
     return z
@@ -64,20 +66,11 @@ def pinv_times(a: torch.Tensor, b: torch.Tensor, iterations: int) -> torch.Tenso
     step's bracket applied to b instead of formed, ¼(13b − P(15b − P(7b − Pb))), four (m × n)
     products in place of two (m × m) and the (m × m) @ (m × n) after it. The same iteration
     (each step's P = AZ is recomputed from A), grouped differently."""
-    z = _pinv_start(a)
-    for _ in range(iterations - 1):
-        z = z @ _pinv_step(a @ z)
+    z = iterative_pinv(a, iterations - 1)
     p = a @ z
     x = 7.0 * b - p @ b  # (7I − P) b
     x = 15.0 * b - p @ x  # (15I − P(7I − P)) b
     return z @ (13.0 * b - p @ x).mul_(0.25)  # Z ¼(13I − P(15I − P(7I − P))) b
-
-
-def _pinv_start(a):
-    """Z₀ = Aᵀ / (‖A‖₁ ‖A‖_∞)."""
-    abs_a = a.abs()
-    norm = abs_a.sum(-1).amax(-1) * abs_a.sum(-2).amax(-1)  # (...,)
-    return a.transpose(-1, -2) / norm[..., None, None]
 
 
 def _pinv_step(p):
