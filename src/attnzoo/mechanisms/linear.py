@@ -406,11 +406,9 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     (q_blind, q_al), (k_before, k_al), (v_before, v_al) = (
         _split_at(q, blind, 2), _split_at(k, start, 2), _split_at(v, start, 2))
     m_before, m_al = (None, None) if key_mask is None else _split_at(key_mask, start, 1)
-    S, z = (None, None) if kv0 is None else (kv0[..., :-1], kv0[..., -1])
-    for k_blk, v_blk, mask in _key_blocks(k_before, v_before, m_before, rows):  # the starting state
-        f_k = _key_features(phi_k, k_blk, mask)[0]  # (B, H, n, F)
-        S_blk, z_blk = f_k.transpose(-1, -2) @ v_blk, f_k.sum(2)
-        S, z = (S_blk, z_blk) if S is None else (S + S_blk, z + z_blk)
+    S, z, _ = key_state(k_before, v_before, phi_k, m_before, width)  # keys all see (causal maps: c None)
+    if kv0 is not None:
+        S, z = (kv0[..., :-1], kv0[..., -1]) if S is None else (kv0[..., :-1] + S, kv0[..., -1] + z)
     if S is None:
         S, z = q.new_zeros(*q.shape[:2], width, v.shape[-1]), q.new_zeros(*q.shape[:2], width)
 
