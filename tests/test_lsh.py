@@ -66,6 +66,19 @@ def test_more_rounds_meet_more_keys():
     assert seen[0] < seen[1] < seen[2] < 256 * 256 / 2
 
 
+@pytest.mark.parametrize("causal, masked", [(False, False), (True, True)])
+@pytest.mark.parametrize("across, dup", [(False, True), (True, False), (True, True)])
+def test_groups_of_chunks_match_reference(monkeypatch, causal, masked, across, dup):
+    """Groups of 3 chunks (2m·m scores each): groups that start and end inside a head and span
+    two, with each head's padding chunk, windows across group edges and gradients added there."""
+    from attnzoo.mechanisms import lsh
+
+    monkeypatch.setattr(lsh, "SCORES_PER_CHUNK", 3 * 2 * 4 * 4)
+    check_against_reference("lsh", B=2, H=2, Lq=37, Lk=37, D=5, causal=causal, masked=masked,
+                            options={"bucket_size": 4, "n_hashes": 3, "attend_across_buckets": across,
+                                     "count_duplicates": dup})
+
+
 def test_lsh_gradcheck():
     check_gradcheck("lsh", Lq=9, Lk=9, causal=True, masked=True,
                     options={"bucket_size": 3, "n_hashes": 2, "n_buckets": 2})

@@ -176,7 +176,7 @@ SCORES_PER_CHUNK = 2**20  # scores (all batches and heads) computed at a time: 4
 
 
 def attend_blocks(q_flat, k_flat, v_flat, plan):
-    """Softmax attention over gathered blocks: the shared core of the banded mechanisms and LSH.
+    """Softmax attention over gathered blocks: the shared core of the banded mechanisms.
 
     ``q_flat`` (R, D) (already scaled, unless the plan fuses: below), ``k_flat`` (R', D),
     ``v_flat`` (R', Dv) are rows; for each group g of ``plan.groups`` the queries
@@ -260,21 +260,20 @@ class _BlockAttention(torch.autograd.Function):
             slots = slice(start, start + n * block)
             start += n * block
             g_o, row_g, seen_g = (t[:, :, slots].unflatten(2, (n, block)) for t in (grad_o, row, seen))
-            add_group_grads(plan, g, q_rows, (q_flat, k_flat, v_flat), grads, g_o, row_g, seen_g)
+            _add_group_grads(plan, g, q_rows, (q_flat, k_flat, v_flat), grads, g_o, row_g, seen_g)
         if ctx.fused:
             grads[0].mul_(plan.fused_scale)
         return *grads, None
 
 
-def add_group_grads(plan, g, q_rows, flats, grads, grad_o, row, keep, scale=None):
+def _add_group_grads(plan, g, q_rows, flats, grads, grad_o, row, keep):
     """Adds group g's share of a recomputing (flash-style) backward to ``grads`` = (dq, dk, dv),
     flat rows like ``flats`` = (q_flat, k_flat, v_flat), in place; ``q_rows`` is
-    ``plan.q_rows(g)`` (B, H, n, block), which the callers have taken already.
+    ``plan.q_rows(g)`` (B, H, n, block), which the caller has taken already.
 
-    The weights are recomputed as softmax(scores)·``scale`` (B, H, n, block) (None = 1): the
-    group's own softmax, rescaled to the one being differentiated; rows where ``keep`` is
-    False get none (scale must be finite there). With ``grad_o`` (B, H, n, block, Dv) and the
-    per-row term ``row`` (B, H, n, block): d scores = p ⊙ (grad_o vᵀ + row).
+    The weights are recomputed as the group's softmax; rows where ``keep`` is False get none.
+    With ``grad_o`` (B, H, n, block, Dv) and the per-row term ``row`` (B, H, n, block):
+    d scores = p ⊙ (grad_o vᵀ + row).
     """
     k_rows = plan.k_rows(g)  # (B, H, n, span)
     q_g, k_g, v_g = (_rows(t, idx) for t, idx in zip(flats, (q_rows, k_rows, k_rows), strict=True))
@@ -285,8 +284,6 @@ def add_group_grads(plan, g, q_rows, flats, grads, grad_o, row, keep, scale=None
     p = torch.softmax(scores, -1)  # the forward's weights, by its fused kernel
     if not _all_true(keep):
         p.masked_fill_(keep.logical_not().unsqueeze(-1), 0.0)  # (rows with no key: softmax gave nan)
-    if scale is not None:
-        p.mul_(scale.unsqueeze(-1))
     ds = (grad_o @ v_g.transpose(-1, -2)).add_(row.unsqueeze(-1)).mul_(p)  # d scores
     dq, dk, dv = grads
     dq.index_add_(0, q_rows.reshape(-1), (ds @ k_g).flatten(0, -2))

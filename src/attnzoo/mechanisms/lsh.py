@@ -19,8 +19,6 @@ import torch.nn.functional as F
 
 from attnzoo.mechanisms._common import (
     SCORES_PER_CHUNK,
-    add_group_grads,
-    blocks_forward,
     finite_or_zero,
     pad_to,
     softmax_scale,
@@ -139,24 +137,158 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     by (bucket, position), same bucket unless ``attend_across_buckets``.
 
     Shapes: q, k (B, H, L, D), v (B, H, L, Dv) -> (B, H, L, Dv); self-attention only.
-    Cost O(n_hashes·L·bucket_size·D) time (plus n_hashes(n_hashes − 1)·L·bucket_size integer
-    compares for counting each key once) and O(L·(D + Dv) + SCORES_PER_CHUNK) memory: the
-    rounds run one after another, each over groups of chunks whose scores stay in
-    cache, and merge into a running log-sum-exp. The sort is O(L log L). No L×L tensor.
-    Choices: rotations are shared by batch and heads; chunk 0 has no chunk before
-    it (no wrap-around); with ``shared_qk`` a query's own key scores −1e5, so it is
-    attended only when nothing else is, as in the paper.
+    Cost O(n_hashes·L·bucket_size·D) time (plus n_hashes(n_hashes − 1)·L·bucket_size
+    compares for counting each key once) and O(L·(D + Dv) + SCORES_PER_CHUNK) memory: each
+    round gathers queries, keys and values into its sorted order once, then runs over
+    groups of chunks whose scores stay in cache (every chunk and its window a strided
+    view), and merges into a running log-sum-exp. The sort is O(L log L). No L×L tensor.
+    Choices: rotations are shared by batch and heads; chunk 0 has no chunk before it (no
+    wrap-around); with ``shared_qk`` a query's own key scores −1e5, so it is attended only
+    when nothing else is, as in the paper.
     """
     keys = _keys_of(q, k, opts)
     B, H, L, D = q.shape
-    m = opts.bucket_size
-    q_buckets, k_buckets, q_order, k_order = _buckets_and_order(q, keys, opts, generator)
-    q_code, k_code = _meeting_codes(q_buckets, k_buckets, q_order, k_order, m, opts)
-    plans = [_Round(r, q_buckets, k_buckets, q_order, k_order, q_code, k_code, key_mask, causal, opts)
-             for r in range(opts.n_hashes)]
+    hashed = _buckets_and_order(q, keys, opts, generator)
+    codes = None
+    if opts.count_duplicates and opts.n_hashes > 1:
+        codes = _meeting_codes(*hashed, opts.bucket_size, opts)
+    dtype = wide(q).dtype
+    plans = [_Round(r, *hashed, codes, key_mask, causal, opts, dtype) for r in range(opts.n_hashes)]
     flat_q = wide(q * softmax_scale(q, scale)).reshape(B * H * L, D)  # half precision: float32 inside
     flat_k, flat_v = wide(keys).reshape(B * H * L, D), wide(v).reshape(B * H * L, -1)
     return _Rounds.apply(flat_q, flat_k, flat_v, plans).to(q.dtype)
+
+
+OUT_OF_REACH = 2.0**60  # score penalty per reason a key is out of a query's reach: exp(−2^59) is 0
+
+
+class _Round:
+    """One hash round in sorted slot space: a padding chunk, then per batch and head the
+    round's nc chunks of m sorted slots (the last padded); S = (1 + B·H·nc)·m slots in all.
+    Query chunk f sees key slots [(f − 1)m, (f + 1)m): its chunk and the one before (a
+    head's first chunk sees the chunk before it in the layout, and none of its keys). Once
+    queries, keys and values are gathered into this order, every chunk and window is a
+    strided view and a group of chunks is a batched matmul.
+
+    Which keys a query may attend is added to the scores as −OUT_OF_REACH × (the number of
+    reasons it may not), a sum of float terms per (query slot, window slot), each 0 or ≥ 1
+    exactly (integers and halves): float passes are vectorised on the CPU, bool compares not.
+    """
+
+    def __init__(self, r, q_buckets, k_buckets, q_order, k_order, codes, key_mask, causal, opts, dtype):
+        B, H, _, L = q_order.shape
+        m = self.m = opts.bucket_size
+        nc = -(-L // m)
+        self.shared, self.L, self.nc = opts.shared_qk, L, nc
+        self.pos = q_order[:, :, r]  # (B, H, L): the position in each sorted slot
+        q_pos = _slotted(self.pos, m, nc, -1)  # (S,): position of each query slot, -1 padding
+        k_pos = q_pos if k_order is q_order else _slotted(k_order[:, :, r], m, nc, -1)
+        first_row = _slotted((torch.arange(B * H, device=q_pos.device) * L).view(B, H, 1).expand(B, H, L),
+                             m, nc, 0)
+        self.q_rows = first_row + q_pos.clamp(min=0)  # (S,) rows of (B·H·L, D); padding reads row 0
+        self.k_rows = self.q_rows if k_pos is q_pos else first_row + k_pos.clamp(min=0)
+        self.q_real = q_pos >= 0
+        n_chunks = 1 + B * H * nc
+        group = max(1, SCORES_PER_CHUNK // (2 * m * m))  # chunks a group: scores stay in cache
+        self.groups = [(a, min(a + group, n_chunks)) for a in range(1, n_chunks, group)]
+        self.codes = [] if codes is None else _earlier_codes(codes, r, self.pos, k_order[:, :, r], m, nc,
+                                                             dtype)
+        self.K = 1.5 * len(self.codes)  # each earlier round's term below takes up to 1.5 off
+        self.center = self.k_pos = self.window_bad = None
+        if not opts.attend_across_buckets:  # the query's bucket (up to itself if causal): a run of slots
+            lo, hi = (t.gather(2, self.pos) for t in _bucket_slots(q_buckets[:, :, r], k_buckets[:, :, r],
+                                                                   k_order[:, :, r], causal))
+            start = (torch.arange(L, device=lo.device) // m - 1) * m  # window start of each slot's chunk
+            lo, hi = ((t - start).clamp_(-1, 2 * m).to(dtype) for t in (lo, hi))  # in window slots; a
+            # head's first chunk has lo >= m: none of the keys before it, another head's, are in the run
+            self.w = torch.arange(2 * m, dtype=dtype, device=lo.device)
+            self.center = _slotted((lo + hi) / 2, m, nc, 0)
+            self.half = _slotted((hi - lo) / 2 - self.K, m, nc, -1 - self.K)  # padding: no slot
+        elif causal:
+            exact = _exact(dtype, L + self.K)
+            self.k_pos, self.q_pos = k_pos.to(exact), (q_pos - self.K).to(exact)
+        if key_mask is not None or opts.attend_across_buckets:  # (within buckets padding is out of the run)
+            ok = torch.ones_like(k_pos, dtype=torch.bool) if key_mask is None else _slotted(
+                key_mask[:, None].expand(B, H, L).gather(2, k_order[:, :, r]), m, nc, False)
+            bad = (ok & (k_pos >= 0)).logical_not_().to(dtype).unfold(0, 2 * m, m).clone()  # (S/m − 1, 2m)
+            bad.view(B * H, nc, 2 * m)[:, 0, :m] = 1.0  # a head's first chunk: the keys before are another's
+            self.window_bad = bad  # row f − 1: 1 where query chunk f's window slot holds no key it may see
+
+    def rows(self, t, a, b):
+        """Slots of query chunks a..b−1 of t (S, X) or (S,): (n, m, X) or (n, m, 1)."""
+        return t[a * self.m:b * self.m].view(b - a, self.m, -1)
+
+    def window(self, t, a, b):
+        """Key slots those chunks see, of t (S, X): (n, 2m, X) (a strided view); of t (S,): (n, 1, 2m)."""
+        m = self.m
+        w = t[(a - 1) * m:b * m].unfold(0, 2 * m, m)  # (n, X, 2m) or (n, 2m)
+        return w.transpose(1, 2) if t.dim() == 2 else w.unsqueeze(1)
+
+    def scores(self, qs, ks, a, b, scratch):
+        """(n, m, 2m) scores of query chunks a..b−1 against their windows, penalised, in
+        ``scratch.scores``."""
+        n = b - a
+        scores = torch.bmm(self.rows(qs, a, b), self.window(ks, a, b).transpose(1, 2), out=scratch.scores[:n])
+        return self.penalise_(scores, a, b, scratch.reasons[:n], scratch.met[:n])
+
+    def penalise_(self, scores, a, b, reasons_out, met_out):
+        """scores (n, m, 2m), in place: −OUT_OF_REACH × the number of reasons a key is out of
+        reach (its bucket's run, causality, the earlier rounds that met it, its mask or
+        padding), and the self penalty. The terms are built in the two (n, m, 2m) buffers."""
+        rows, window = (lambda t: self.rows(t, a, b)), (lambda t: self.window(t, a, b))
+        reasons = None  # ≥ K, = K + (how far out of the bucket's run, or in the future)
+        if self.center is not None:
+            reasons = torch.sub(self.w, rows(self.center), out=reasons_out).abs_().sub_(rows(self.half))
+            reasons.clamp_(min=self.K)
+        elif self.k_pos is not None:
+            reasons = torch.sub(window(self.k_pos), rows(self.q_pos), out=reasons_out).clamp_(min=self.K)
+        for q_code, k_code in self.codes:
+            met = torch.sub(rows(q_code), window(k_code), out=reasons_out if reasons is None else met_out)
+            met.abs_().clamp_(max=1.5)  # 0.5 where they met in that round, else 1.5
+            reasons = met.neg_().add_(self.K) if reasons is None else reasons.sub_(met)
+        if reasons is not None:
+            scores.add_(reasons, alpha=-OUT_OF_REACH)
+        if self.window_bad is not None:
+            scores.add_(self.window_bad[a - 1:b - 1].unsqueeze(1), alpha=-OUT_OF_REACH)
+        if self.shared:  # a query's own key is slot m + i of its window (one order)
+            scores[..., self.m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
+        return scores
+
+    def real(self, t):
+        """The real slots of t (S, ...), by head: (B, H, L, ...) (a view)."""
+        B, H, L = self.pos.shape
+        return t[self.m:].view(B * H, self.nc * self.m, *t.shape[1:])[:, :L].view(B, H, L, *t.shape[1:])
+
+
+def _slotted(by_slot, m, nc, fill):
+    """(B, H, L) values of the sorted slots -> (S,): a padding chunk, then per head the slots
+    padded to nc·m."""
+    return F.pad(pad_to(by_slot, nc * m, value=fill).reshape(-1), (m, 0), value=fill)
+
+
+def _exact(dtype, largest):
+    """``dtype``, or float64 where it would not hold the integers and halves up to ``largest``."""
+    return dtype if largest < 1 / torch.finfo(dtype).eps else torch.float64  # halves exact below 2^nmant
+
+
+def _earlier_codes(codes, r, q_order_r, k_order_r, m, nc, dtype):
+    """[(q_code − 1/2, k_code) of round t at round r's slots, (S,) each, for t < r]: the query
+    and key met in round t iff |q_code − 1/2 − k_code| = 1/2 (see :func:`_meeting_codes`)."""
+    q_code, k_code = codes
+    exact = _exact(dtype, max(int(q_code.max()), int(k_code.max())) + 1)
+    return [(_slotted(q_code[:, :, t].gather(2, q_order_r), m, nc, 0).to(exact).sub_(0.5),
+             _slotted(k_code[:, :, t].gather(2, k_order_r), m, nc, 0).to(exact)) for t in range(r)]
+
+
+class _Scratch:
+    """(group, m, 2m) buffers for a group's passes, reused by every group and round: fresh
+    ones are faulted in from the OS each time (~1 ms per 4 MiB on this CPU, as much as the
+    passes themselves)."""
+
+    def __init__(self, plan, like, names):
+        a, b = plan.groups[0]  # the largest group
+        for name in names:
+            setattr(self, name, like.new_empty(b - a, plan.m, 2 * plan.m))
 
 
 class _Rounds(torch.autograd.Function):
@@ -168,98 +300,96 @@ class _Rounds(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_flat, k_flat, v_flat, plans):
         B, H, L = plans[0].pos.shape
-        out = (q_flat.new_zeros(B, H, L, v_flat.shape[-1]), q_flat.new_full((B, H, L), float("-inf")))
+        acc, acc_lse = q_flat.new_zeros(B, H, L, v_flat.shape[-1]), q_flat.new_full((B, H, L), float("-inf"))
+        sorted_in, scratch = None, _Scratch(plans[0], q_flat, ("scores", "reasons", "met", "p"))
+        o = q_flat.new_empty(plans[0].q_rows.shape[0], v_flat.shape[-1])  # (S, Dv): each round's, by slot
+        o[:plans[0].m].zero_()  # the padding chunk: no group computes it
         round_lse = []
         for plan in plans:
-            o, lse = blocks_forward(q_flat, k_flat, v_flat, plan)  # (B, H, Lp, Dv), (B, H, Lp): sorted slots
-            out = _merge_sorted_into(out, o[:, :, :L], lse[:, :, :L], plan.pos)
+            sorted_in = _gather(plan, (q_flat, k_flat, v_flat), sorted_in)
+            lse = _round_forward(plan, *sorted_in, o, scratch)  # (S,): by slot
+            acc_lse = _merge_into(acc, acc_lse, plan, o, lse)
             round_lse.append(lse)
-        ctx.save_for_backward(q_flat, k_flat, v_flat, *out, *round_lse)
+        ctx.save_for_backward(q_flat, k_flat, v_flat, acc, acc_lse, *round_lse)
         ctx.plans = plans
-        return out[0]
+        return acc
 
     @staticmethod
     def backward(ctx, grad):
         q_flat, k_flat, v_flat, out, lse, *round_lse = ctx.saved_tensors
-        flats = q_flat, k_flat, v_flat
-        grads = tuple(torch.zeros_like(t) for t in flats)
+        grads = tuple(torch.zeros_like(t) for t in (q_flat, k_flat, v_flat))
         flat_grad = grad.reshape(-1, grad.shape[-1])  # (B·H·L, Dv): rows as q_flat's
         row, total = -torch.linalg.vecdot(grad, out).reshape(-1), lse.reshape(-1)  # by row
-        for plan, own_lse in zip(ctx.plans, round_lse, strict=True):
-            start = 0
-            for g in plan.groups:
-                q_rows = plan.q_rows(g)  # (B, H, n, m)
-                n, m = q_rows.shape[2:]
-                own = own_lse[:, :, start:start + n * m].unflatten(2, (n, m))  # this round's lse
-                start += n * m
-                keep = (plan.qi[:, :, g] >= 0) & torch.isfinite(own)  # real queries with a key here
-                scale = torch.where(keep, torch.exp(own - total[q_rows]), 0.0)  # round -> union
-                add_group_grads(plan, g, q_rows, flats, grads, flat_grad[q_rows], row[q_rows], keep, scale)
+        sorted_in = work = None
+        scratch = _Scratch(ctx.plans[0], q_flat, ("scores", "reasons", "met", "p", "ds"))
+        for plan, own in zip(ctx.plans, round_lse, strict=True):
+            sorted_in = _gather(plan, (q_flat, k_flat, v_flat, flat_grad), sorted_in)
+            keep = plan.q_real & torch.isfinite(own)  # real queries with a key in this round
+            weight = torch.where(keep, torch.exp(own - total[plan.q_rows]), 0.0)  # (S,): round -> union
+            work = _round_backward(plan, *sorted_in, row[plan.q_rows], weight, work, scratch)
+            for g, idx, w in zip(grads, (plan.q_rows, plan.k_rows, plan.k_rows), work, strict=True):
+                g.index_add_(0, idx, w)
         return *grads, None
 
 
-def _merge_sorted_into(out, o, lse, pos):
-    """merge_partials of ``out`` (by position) and a round's ``(o, lse)`` (sorted slots, ``pos``
-    their positions), in place and without scattering the round first: no whole-size
-    temporaries (autograd must not record it: it overwrites both)."""
-    acc, acc_lse = out
-    new = torch.logaddexp(acc_lse, lse.new_empty(lse.shape).scatter_(2, pos, lse))  # (B, H, L)
-    safe = finite_or_zero(new)
+def _gather(plan, flats, bufs):
+    """q, k, v (and the output's gradient) rows into the round's slot order: (S, X) each,
+    into ``bufs`` (the last round's) when given."""
+    idx = (plan.q_rows, plan.k_rows, plan.k_rows, plan.q_rows)
+    if bufs is None:
+        return [t.index_select(0, i) for t, i in zip(flats, idx, strict=False)]  # (forward: no gradient)
+    return [torch.index_select(t, 0, i, out=buf) for t, i, buf in zip(flats, idx, bufs, strict=False)]
+
+
+def _round_forward(plan, qs, ks, vs, o, scratch):
+    """One round's partial softmax by slot: o (S, Dv) written in place, lse (S,) returned (-inf
+    where no key, and o there finite but of no weight)."""
+    m = plan.m
+    lse = qs.new_full(qs.shape[:1], float("-inf"))
+    for a, b in plan.groups:
+        scores = plan.scores(qs, ks, a, b, scratch)  # (n, m, 2m)
+        top = scores.amax(-1)  # (n, m)
+        p = torch._softmax(scores, -1, False, out=scratch.p[:b - a])
+        torch.bmm(p, plan.window(vs, a, b), out=plan.rows(o, a, b))
+        lse_g = lse[a * m:b * m].view(b - a, m)
+        torch.sub(top, p.amax(-1).log_(), out=lse_g)  # lse = max − log(max p)
+        empty = top < -OUT_OF_REACH / 4  # every key out of reach
+        if bool(empty.any()):
+            lse_g.masked_fill_(empty, float("-inf"))
+    return lse
+
+
+def _round_backward(plan, qs, ks, vs, gs, row, weight, work, scratch):
+    """One round's (dq, dk, dv) by slot, (S, X) each, into ``work`` (zeroed) when given: the
+    weights recomputed and taken to the union's softmax by ``weight`` (S,), then
+    d scores = p ⊙ (g vᵀ + row)."""
+    work = [torch.zeros_like(t) for t in (qs, ks, vs)] if work is None else [w.zero_() for w in work]
+    dqs, dks, dvs = work
+    m = plan.m
+    for a, b in plan.groups:
+        q_c, g_c = plan.rows(qs, a, b), plan.rows(gs, a, b)  # (n, m, D), (n, m, Dv)
+        k_w, v_w = plan.window(ks, a, b), plan.window(vs, a, b)  # (n, 2m, D), (n, 2m, Dv)
+        n = b - a
+        p = torch._softmax(plan.scores(qs, ks, a, b, scratch), -1, False, out=scratch.p[:n])
+        p.mul_(plan.rows(weight, a, b))  # (n, m, 2m)
+        ds = torch.bmm(g_c, v_w.transpose(1, 2), out=scratch.ds[:n]).add_(plan.rows(row, a, b)).mul_(p)
+        torch.bmm(ds, k_w, out=plan.rows(dqs, a, b))
+        for part, c in ((slice(None, m), a - 1), (slice(m, None), a)):  # the chunk before, the chunk
+            plan.rows(dks, c, c + b - a).baddbmm_(ds[..., part].transpose(1, 2), q_c)
+            plan.rows(dvs, c, c + b - a).baddbmm_(p[..., part].transpose(1, 2), g_c)
+    return work
+
+
+def _merge_into(acc, acc_lse, plan, o, lse):
+    """merge_partials of ``(acc (B, H, L, Dv), acc_lse (B, H, L))`` by position and a round's
+    ``(o (S, Dv), lse (S,))`` by slot: ``acc`` and ``o`` in place, the new lse returned
+    (autograd must not record it: it overwrites both)."""
+    new = torch.logaddexp(acc_lse, acc_lse.new_empty(acc_lse.shape).scatter_(2, plan.pos, plan.real(lse)))
+    safe = finite_or_zero(new)  # (B, H, L)
     acc.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
-    weight = torch.exp(lse - safe.gather(2, pos)).unsqueeze(-1)  # (B, H, L, 1), sorted slots
-    acc.scatter_add_(2, pos[..., None].expand_as(o), o.mul_(weight))
-    return acc, new
-
-
-class _Round:
-    """One hash round as a plan for ``attend_blocks``' groups (``blocks_forward``,
-    ``add_group_grads``): sorted chunks of queries, each seeing its chunk and the one before,
-    with validity, the N_ij correction and the self penalty."""
-
-    def __init__(self, r, q_buckets, k_buckets, q_order, k_order, q_code, k_code, key_mask, causal, opts):
-        B, H, _, L = q_order.shape
-        m = opts.bucket_size
-        nc = -(-L // m)
-        self.r, self.m, self.causal, self.opts, self.q_code, self.k_code = r, m, causal, opts, q_code, k_code
-        self.pos = q_order[:, :, r]  # (B, H, L): the position in each sorted slot
-        self.bh = torch.arange(B * H, device=q_order.device).view(B, H, 1, 1) * L  # row offsets
-        self.qi = pad_to(q_order[:, :, r], nc * m, value=-1).view(B, H, nc, m)  # slot -> position, -1 pad
-        kj = pad_to(k_order[:, :, r], (nc + 1) * m, front=m, value=-1)  # a padded chunk before chunk 0
-        self.j_win = kj.unfold(2, 2 * m, m)  # (B, H, nc, 2m): keys of the chunk before and the chunk
-        self.key_ok = None if key_mask is None else key_mask[:, None].expand(B, H, L)
-        if not opts.attend_across_buckets:
-            lo, hi = _bucket_slots(q_buckets[:, :, r], k_buckets[:, :, r], k_order[:, :, r], causal)
-            self.lo, self.hi = (pad_to(_take_int(t, q_order[:, :, r]), nc * m).view(B, H, nc, m, 1)
-                                for t in (lo, hi))
-        group = max(1, SCORES_PER_CHUNK // (B * H * 2 * m * m))  # chunks a group: scores stay in cache
-        self.groups = [slice(c, min(c + group, nc)) for c in range(0, nc, group)]
-
-    def q_rows(self, cs):
-        return self.bh + self.qi[:, :, cs].clamp(min=0)  # (B, H, n, m); padding reads row 0
-
-    def k_rows(self, cs):
-        return self.bh + self.j_win[:, :, cs].clamp(min=0)  # (B, H, n, 2m)
-
-    def fused_forward(self, q_flat, k_flat, v_flat):
-        """None: every chunk has its own validity, so attend_blocks' groups compute it."""
-        return None
-
-    def prepare(self, scores, cs):
-        i, j = self.qi[:, :, cs, :, None], self.j_win[:, :, cs, None, :]  # (B, H, n, m, 1), (B, H, n, 1, 2m)
-        m, opts = self.m, self.opts
-        if opts.attend_across_buckets:
-            valid = _valid(i, j, self.key_ok, self.causal)
-        else:  # the query's bucket (up to itself if causal) is a run of window slots
-            w = torch.arange(2 * m, device=scores.device) + (
-                torch.arange(cs.start, cs.stop, device=scores.device).view(-1, 1, 1) - 1) * m  # (n, 1, 2m)
-            valid = (w >= self.lo[:, :, cs]) & (w <= self.hi[:, :, cs])
-            if self.key_ok is not None:
-                valid = valid & _take_int(self.key_ok, j)
-        if opts.count_duplicates and self.r > 0:  # the N_ij correction: each key counted once
-            valid = valid & _met_earlier(i, j, self.r, self.q_code, self.k_code).logical_not_()
-        if opts.shared_qk:  # a query's own key is slot m + a of its window (same order)
-            scores[..., m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
-        return valid
+    weight = torch.where(plan.q_real, torch.exp(lse - safe.view(-1)[plan.q_rows]), 0.0)  # (S,)
+    acc.view(-1, acc.shape[-1]).index_add_(0, plan.q_rows, o.mul_(weight.unsqueeze(-1)))
+    return new
 
 
 def _meeting_codes(q_buckets, k_buckets, q_order, k_order, m, opts):
@@ -295,19 +425,6 @@ def _by_position(by_slot, order):
     return torch.empty_like(order).scatter_(-1, order, by_slot.expand_as(order))
 
 
-def _gather_code(code, r, idx):
-    """code (B, H, n_hashes, L) of round r at positions idx (B, H, ...) (-1 gives position 0)."""
-    return _take_int(code[:, :, r], idx)
-
-
-def _valid(i, j, key_ok, causal):
-    """Which window keys a sorted query may attend, across buckets: real, unmasked, causal."""
-    valid = j >= 0  # (B, H, n, 1, 2m)
-    if key_ok is not None:
-        valid = valid & _take_int(key_ok, j)
-    if causal:
-        valid = valid & (j <= i)
-    return valid
 
 
 def _bucket_slots(q_bucket, k_bucket, k_order, causal):
@@ -324,21 +441,6 @@ def _bucket_slots(q_bucket, k_bucket, k_order, causal):
     return lo, hi
 
 
-def _met_earlier(i, j, r, q_code, k_code):
-    """(B, H, n, m, 2m) bool: whether query i and key j met in a round before r (a key met
-    in several rounds is attended in the first, which is the paper's division by N_ij)."""
-    met = None
-    for t in range(r):
-        d = _gather_code(q_code, t, i) - _gather_code(k_code, t, j)  # (B, H, n, m, 2m)
-        in_t = d.bitwise_right_shift_(1) == 0  # d in {0, 1}
-        met = in_t if met is None else met.logical_or_(in_t)
-    return met
-
-
-def _take_int(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t (B, H, L) gathered at idx (B, H, ...) of any trailing shape (-1 = padding)."""
-    flat = idx.clamp(min=0).reshape(*idx.shape[:2], -1)
-    return torch.gather(t, 2, flat).view(idx.shape)
 
 
 def lsh_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
