@@ -87,12 +87,15 @@ def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     earlier = torch.arange(half, 0, -1, dtype=x.dtype, device=x.device)  # b/2 − c: larger for earlier c
     out = torch.empty(B, H, R, L, dtype=torch.long, device=x.device)
     rows = max(1, HASH_BLOCK // (B * H * R * half))  # positions a block: the rotated block stays in cache
+    buffer = x.new_empty(B * H * min(rows, L) * R * half)  # every block's (fresh: faulted in each time)
     for s in range(0, L, rows):
-        rotated = (x[:, :, s:s + rows] @ every_round).unflatten(-1, (R, half))  # (B, H, rows, R, b/2)
+        n = min(rows, L - s)
+        rotated = buffer[:B * H * n * R * half].view(B, H, n, R, half)  # (B, H, n, R, b/2)
+        torch.matmul(x[:, :, s:s + n], every_round, out=rotated.flatten(-2))
         top, low = rotated.amax(-1, keepdim=True), rotated.amin(-1, keepdim=True)
         positive = top >= -low  # (B, H, rows, R, 1): the maximum is in the xR half
         first = half - rotated.eq_(torch.where(positive, top, low)).mul_(earlier).amax(-1)
-        out[..., s:s + rows] = (first.long() + half * positive.squeeze(-1).logical_not()).transpose(-1, -2)
+        out[..., s:s + n] = (first.long() + half * positive.squeeze(-1).logical_not()).transpose(-1, -2)
     return out
 
 
@@ -196,8 +199,9 @@ class _Round:
         self.K = 1.5 * len(self.codes)  # each earlier round's term below takes up to 1.5 off
         self.center = self.k_pos = self.window_bad = None
         if not opts.attend_across_buckets:  # the query's bucket (up to itself if causal): a run of slots
-            lo, hi = (t.gather(2, self.pos) for t in _bucket_slots(q_buckets[:, :, r], k_buckets[:, :, r],
-                                                                   k_order[:, :, r], causal))
+            lo, hi = (t.gather(2, self.pos) for t in _bucket_slots(
+                q_buckets[:, :, r], k_buckets[:, :, r], k_order[:, :, r], causal, n_buckets_for(L, opts),
+                shared=k_order is q_order))
             start = (torch.arange(L, device=lo.device) // m - 1) * m  # window start of each slot's chunk
             lo, hi = ((t - start).clamp_(-1, 2 * m).to(dtype) for t in (lo, hi))  # in window slots; a
             # head's first chunk has lo >= m: none of the keys before it, another head's, are in the run
@@ -427,18 +431,22 @@ def _by_position(by_slot, order):
 
 
 
-def _bucket_slots(q_bucket, k_bucket, k_order, causal):
+def _bucket_slots(q_bucket, k_bucket, k_order, causal, n_buckets, shared):
     """(lo, hi), each (B, H, L) by query position: the sorted key slots of the query's bucket
     (causal: only keys up to its position). Keys are sorted by (bucket, position), so they
-    are one run of slots."""
-    L = k_order.shape[-1]
+    are one run of slots: it starts after the keys of the buckets before (counted), and it
+    ends where the bucket does, or, causal, at the query's own slot when queries and keys
+    share one order (``shared``), else after its last key up to the query (searched)."""
+    B, H, L = k_order.shape
+    counts = k_order.new_zeros(B, H, n_buckets).scatter_add_(2, k_bucket, torch.ones_like(k_bucket))
+    lo = (counts.cumsum(2) - counts).gather(2, q_bucket)  # keys in the buckets before
+    if not causal:
+        return lo, lo + counts.gather(2, q_bucket) - 1
     positions = torch.arange(L, device=k_order.device)
+    if shared:
+        return lo, torch.empty_like(k_order).scatter_(2, k_order, positions.expand_as(k_order))
     k_sorted = torch.gather(k_bucket * L + positions, -1, k_order)  # ascending codes
-    start = q_bucket * L
-    lo = torch.searchsorted(k_sorted, start)
-    end = start + positions if causal else start + L - 1  # the last code the query may see
-    hi = torch.searchsorted(k_sorted, end, right=True) - 1
-    return lo, hi
+    return lo, torch.searchsorted(k_sorted, q_bucket * L + positions, right=True) - 1
 
 
 
