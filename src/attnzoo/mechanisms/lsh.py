@@ -228,11 +228,24 @@ class _Round:
         w = t[(a - 1) * m:b * m].unfold(0, 2 * m, m)  # (n, X, 2m) or (n, 2m)
         return w.transpose(1, 2) if t.dim() == 2 else w.unsqueeze(1)
 
-    def scores(self, qs, ks, a, b, scratch):
+    def gather(self, flats, a, b, scratch):
+        """Query chunks a..b−1 of q (and of the output's gradient) and the windows they see of
+        k and v, gathered from ``flats`` = (q, k, v[, g]) rows (B·H·L, X) into the scratch
+        buffers (in cache; whole-round copies would be faulted in afresh at every call):
+        q_c (n, m, D), k_w (n, 2m, D), v_w (n, 2m, Dv)[, g_c (n, m, Dv)], windows as views."""
+        m, n = self.m, b - a
+        q_idx, k_idx = self.q_rows[a * m:b * m], self.k_rows[(a - 1) * m:b * m]
+        out = []
+        for t, idx, buf in zip(flats, (q_idx, k_idx, k_idx, q_idx), scratch.rows, strict=False):
+            got = torch.index_select(t, 0, idx, out=buf[:idx.shape[0]])
+            out.append(got.view(n, m, -1) if idx is q_idx else got.unfold(0, 2 * m, m).transpose(1, 2))
+        return out
+
+    def scores(self, q_c, k_w, a, b, scratch):
         """(n, m, 2m) scores of query chunks a..b−1 against their windows, penalised, in
         ``scratch.scores``."""
         n = b - a
-        scores = torch.bmm(self.rows(qs, a, b), self.window(ks, a, b).transpose(1, 2), out=scratch.scores[:n])
+        scores = torch.bmm(q_c, k_w.transpose(1, 2), out=scratch.scores[:n])
         return self.penalise_(scores, a, b, scratch.reasons[:n], scratch.met[:n])
 
     def penalise_(self, scores, a, b, reasons_out, met_out):
@@ -285,14 +298,17 @@ def _earlier_codes(codes, r, q_order_r, k_order_r, m, nc, dtype):
 
 
 class _Scratch:
-    """(group, m, 2m) buffers for a group's passes, reused by every group and round: fresh
-    ones are faulted in from the OS each time (~1 ms per 4 MiB on this CPU, as much as the
-    passes themselves)."""
+    """A group's buffers, reused by every group and round: (group, m, 2m) ones for its passes
+    over the scores, and ``rows``, one for each of ``flats``' gathered rows (queries: group·m,
+    keys and values: (group + 1)·m). Fresh ones are faulted in from the OS each time (~1 ms
+    per 4 MiB on this CPU, as much as the passes themselves)."""
 
-    def __init__(self, plan, like, names):
+    def __init__(self, plan, flats, names):
         a, b = plan.groups[0]  # the largest group
+        n, m, like = b - a, plan.m, flats[0]
         for name in names:
-            setattr(self, name, like.new_empty(b - a, plan.m, 2 * plan.m))
+            setattr(self, name, like.new_empty(n, m, 2 * m))
+        self.rows = [like.new_empty((n + (i in (1, 2))) * m, t.shape[-1]) for i, t in enumerate(flats)]
 
 
 class _Rounds(torch.autograd.Function):
@@ -305,13 +321,13 @@ class _Rounds(torch.autograd.Function):
     def forward(ctx, q_flat, k_flat, v_flat, plans):
         B, H, L = plans[0].pos.shape
         acc, acc_lse = q_flat.new_zeros(B, H, L, v_flat.shape[-1]), q_flat.new_full((B, H, L), float("-inf"))
-        sorted_in, scratch = None, _Scratch(plans[0], q_flat, ("scores", "reasons", "met", "p"))
+        flats = q_flat, k_flat, v_flat
+        scratch = _Scratch(plans[0], flats, ("scores", "reasons", "met", "p"))
         o = q_flat.new_empty(plans[0].q_rows.shape[0], v_flat.shape[-1])  # (S, Dv): each round's, by slot
         o[:plans[0].m].zero_()  # the padding chunk: no group computes it
         round_lse = []
         for plan in plans:
-            sorted_in = _gather(plan, (q_flat, k_flat, v_flat), sorted_in)
-            lse = _round_forward(plan, *sorted_in, o, scratch)  # (S,): by slot
+            lse = _round_forward(plan, flats, o, scratch)  # (S,): by slot
             acc_lse = _merge_into(acc, acc_lse, plan, o, lse)
             round_lse.append(lse)
         ctx.save_for_backward(q_flat, k_flat, v_flat, acc, acc_lse, *round_lse)
@@ -324,37 +340,27 @@ class _Rounds(torch.autograd.Function):
         grads = tuple(torch.zeros_like(t) for t in (q_flat, k_flat, v_flat))
         flat_grad = grad.reshape(-1, grad.shape[-1])  # (B·H·L, Dv): rows as q_flat's
         row, total = -torch.linalg.vecdot(grad, out).reshape(-1), lse.reshape(-1)  # by row
-        sorted_in = work = None
-        scratch = _Scratch(ctx.plans[0], q_flat, ("scores", "reasons", "met", "p", "ds"))
+        flats = q_flat, k_flat, v_flat, flat_grad
+        scratch = _Scratch(ctx.plans[0], flats, ("scores", "reasons", "met", "p", "ds"))
+        scratch.dq, scratch.dk, scratch.dv = (torch.empty_like(buf) for buf in scratch.rows[:3])  # a group's
         for plan, own in zip(ctx.plans, round_lse, strict=True):
-            sorted_in = _gather(plan, (q_flat, k_flat, v_flat, flat_grad), sorted_in)
             keep = plan.q_real & torch.isfinite(own)  # real queries with a key in this round
             weight = torch.where(keep, torch.exp(own - total[plan.q_rows]), 0.0)  # (S,): round -> union
-            work = _round_backward(plan, *sorted_in, row[plan.q_rows], weight, work, scratch)
-            for g, idx, w in zip(grads, (plan.q_rows, plan.k_rows, plan.k_rows), work, strict=True):
-                g.index_add_(0, idx, w)
+            _round_backward(plan, flats, grads, row[plan.q_rows], weight, scratch)
         return *grads, None
 
 
-def _gather(plan, flats, bufs):
-    """q, k, v (and the output's gradient) rows into the round's slot order: (S, X) each,
-    into ``bufs`` (the last round's) when given."""
-    idx = (plan.q_rows, plan.k_rows, plan.k_rows, plan.q_rows)
-    if bufs is None:
-        return [t.index_select(0, i) for t, i in zip(flats, idx, strict=False)]  # (forward: no gradient)
-    return [torch.index_select(t, 0, i, out=buf) for t, i, buf in zip(flats, idx, bufs, strict=False)]
-
-
-def _round_forward(plan, qs, ks, vs, o, scratch):
+def _round_forward(plan, flats, o, scratch):
     """One round's partial softmax by slot: o (S, Dv) written in place, lse (S,) returned (-inf
     where no key, and o there finite but of no weight)."""
     m = plan.m
-    lse = qs.new_full(qs.shape[:1], float("-inf"))
+    lse = o.new_full(o.shape[:1], float("-inf"))
     for a, b in plan.groups:
-        scores = plan.scores(qs, ks, a, b, scratch)  # (n, m, 2m)
+        q_c, k_w, v_w = plan.gather(flats, a, b, scratch)
+        scores = plan.scores(q_c, k_w, a, b, scratch)  # (n, m, 2m)
         top = scores.amax(-1)  # (n, m)
         p = torch._softmax(scores, -1, False, out=scratch.p[:b - a])
-        torch.bmm(p, plan.window(vs, a, b), out=plan.rows(o, a, b))
+        torch.bmm(p, v_w, out=plan.rows(o, a, b))
         lse_g = lse[a * m:b * m].view(b - a, m)
         torch.sub(top, p.amax(-1).log_(), out=lse_g)  # lse = max − log(max p)
         empty = top < -OUT_OF_REACH / 4  # every key out of reach
@@ -363,25 +369,25 @@ def _round_forward(plan, qs, ks, vs, o, scratch):
     return lse
 
 
-def _round_backward(plan, qs, ks, vs, gs, row, weight, work, scratch):
-    """One round's (dq, dk, dv) by slot, (S, X) each, into ``work`` (zeroed) when given: the
-    weights recomputed and taken to the union's softmax by ``weight`` (S,), then
-    d scores = p ⊙ (g vᵀ + row)."""
-    work = [torch.zeros_like(t) for t in (qs, ks, vs)] if work is None else [w.zero_() for w in work]
-    dqs, dks, dvs = work
+def _round_backward(plan, flats, grads, row, weight, scratch):
+    """Adds one round's share to ``grads`` = (dq, dk, dv), rows like ``flats`` = (q, k, v, g),
+    group by group: the weights recomputed and taken to the union's softmax by ``weight``
+    (S,), then d scores = p ⊙ (g vᵀ + row) (``row`` (S,))."""
     m = plan.m
     for a, b in plan.groups:
-        q_c, g_c = plan.rows(qs, a, b), plan.rows(gs, a, b)  # (n, m, D), (n, m, Dv)
-        k_w, v_w = plan.window(ks, a, b), plan.window(vs, a, b)  # (n, 2m, D), (n, 2m, Dv)
         n = b - a
-        p = torch._softmax(plan.scores(qs, ks, a, b, scratch), -1, False, out=scratch.p[:n])
+        q_c, k_w, v_w, g_c = plan.gather(flats, a, b, scratch)
+        p = torch._softmax(plan.scores(q_c, k_w, a, b, scratch), -1, False, out=scratch.p[:n])
         p.mul_(plan.rows(weight, a, b))  # (n, m, 2m)
         ds = torch.bmm(g_c, v_w.transpose(1, 2), out=scratch.ds[:n]).add_(plan.rows(row, a, b)).mul_(p)
-        torch.bmm(ds, k_w, out=plan.rows(dqs, a, b))
-        for part, c in ((slice(None, m), a - 1), (slice(m, None), a)):  # the chunk before, the chunk
-            plan.rows(dks, c, c + b - a).baddbmm_(ds[..., part].transpose(1, 2), q_c)
-            plan.rows(dvs, c, c + b - a).baddbmm_(p[..., part].transpose(1, 2), g_c)
-    return work
+        dq = torch.bmm(ds, k_w, out=scratch.dq[:n * m].view(n, m, -1))
+        grads[0].index_add_(0, plan.q_rows[a * m:b * m], dq.flatten(0, 1))
+        for d, weights, by, grad in ((scratch.dk, ds, q_c, grads[1]), (scratch.dv, p, g_c, grads[2])):
+            d = d[:(n + 1) * m]  # (n + 1)·m key rows: the chunk before the group's first, and its chunks
+            torch.bmm(weights[..., :m].transpose(1, 2), by, out=d[:n * m].view(n, m, -1))  # the chunk before
+            d[n * m:].zero_()
+            d[m:].view(n, m, -1).baddbmm_(weights[..., m:].transpose(1, 2), by)  # the chunk itself
+            grad.index_add_(0, plan.k_rows[(a - 1) * m:b * m], d)
 
 
 def _merge_into(acc, acc_lse, plan, o, lse):
