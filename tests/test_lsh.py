@@ -73,7 +73,7 @@ def test_groups_of_chunks_match_reference(monkeypatch, causal, masked, across, d
     two, with each head's padding chunk, windows across group edges and gradients added there."""
     from attnzoo.mechanisms import lsh
 
-    monkeypatch.setattr(lsh, "SCORES_PER_CHUNK", 3 * 2 * 4 * 4)
+    monkeypatch.setattr(lsh, "GROUP_SCORES", 3 * 2 * 4 * 4)
     check_against_reference("lsh", B=2, H=2, Lq=37, Lk=37, D=5, causal=causal, masked=masked,
                             options={"bucket_size": 4, "n_hashes": 3, "attend_across_buckets": across,
                                      "count_duplicates": dup})

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.mechanisms._common import (
-    SCORES_PER_CHUNK,
     finite_or_zero,
     pad_to,
     softmax_scale,
@@ -112,11 +111,10 @@ def _buckets_and_order(q, k, opts, generator):
     b = n_buckets_for(L, opts)
     rotations = torch.randn(opts.n_hashes, D, b // 2 if b > 1 else 0, generator=generator,
                             device=q.device)  # shared by batch and heads
-    positions = torch.arange(L, device=q.device)
     q_buckets = hash_buckets(q, rotations)
     k_buckets = q_buckets if opts.shared_qk else hash_buckets(k, rotations)
-    q_order = (q_buckets * L + positions).argsort(-1)
-    k_order = q_order if opts.shared_qk else (k_buckets * L + positions).argsort(-1)
+    q_order = torch.sort(q_buckets, dim=-1, stable=True)[1]  # stable: by position within a bucket
+    k_order = q_order if opts.shared_qk else torch.sort(k_buckets, dim=-1, stable=True)[1]
     return q_buckets, k_buckets, q_order, k_order
 
 
@@ -141,7 +139,7 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
 
     Shapes: q, k (B, H, L, D), v (B, H, L, Dv) -> (B, H, L, Dv); self-attention only.
     Cost O(n_hashes·L·bucket_size·D) time (plus n_hashes(n_hashes − 1)·L·bucket_size
-    compares for counting each key once) and O(L·(D + Dv) + SCORES_PER_CHUNK) memory: each
+    compares for counting each key once) and O(L·(D + Dv) + GROUP_SCORES) memory: each
     round gathers queries, keys and values into its sorted order once, then runs over
     groups of chunks whose scores stay in cache (every chunk and its window a strided
     view), and merges into a running log-sum-exp. The sort is O(L log L). No L×L tensor.
@@ -162,6 +160,7 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     return _Rounds.apply(flat_q, flat_k, flat_v, plans).to(q.dtype)
 
 
+GROUP_SCORES = 2**19  # scores a group of chunks: with its buffers about the L2 caches (2^20: 5-10 % slower)
 OUT_OF_REACH = 2.0**60  # score penalty per reason a key is out of a query's reach: exp(−2^59) is 0
 
 
@@ -191,8 +190,9 @@ class _Round:
         self.q_rows = first_row + q_pos.clamp(min=0)  # (S,) rows of (B·H·L, D); padding reads row 0
         self.k_rows = self.q_rows if k_pos is q_pos else first_row + k_pos.clamp(min=0)
         self.q_real = q_pos >= 0
+        self.out_rows = torch.where(self.q_real, self.q_rows, B * H * L)  # padding: a spare row after all
         n_chunks = 1 + B * H * nc
-        group = max(1, SCORES_PER_CHUNK // (2 * m * m))  # chunks a group: scores stay in cache
+        group = max(1, GROUP_SCORES // (2 * m * m))  # chunks a group
         self.groups = [(a, min(a + group, n_chunks)) for a in range(1, n_chunks, group)]
         self.codes = [] if codes is None else _earlier_codes(codes, r, self.pos, k_order[:, :, r], m, nc,
                                                              dtype)
@@ -320,7 +320,7 @@ class _Rounds(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_flat, k_flat, v_flat, plans):
         B, H, L = plans[0].pos.shape
-        acc, acc_lse = q_flat.new_zeros(B, H, L, v_flat.shape[-1]), q_flat.new_full((B, H, L), float("-inf"))
+        acc, acc_lse = q_flat.new_empty(B * H * L + 1, v_flat.shape[-1]), None  # (+ a row for padding)
         flats = q_flat, k_flat, v_flat
         scratch = _Scratch(plans[0], flats, ("scores", "reasons", "met", "p"))
         o = q_flat.new_empty(plans[0].q_rows.shape[0], v_flat.shape[-1])  # (S, Dv): each round's, by slot
@@ -330,9 +330,10 @@ class _Rounds(torch.autograd.Function):
             lse = _round_forward(plan, flats, o, scratch)  # (S,): by slot
             acc_lse = _merge_into(acc, acc_lse, plan, o, lse)
             round_lse.append(lse)
-        ctx.save_for_backward(q_flat, k_flat, v_flat, acc, acc_lse, *round_lse)
+        out = acc[:-1].view(B, H, L, -1)
+        ctx.save_for_backward(q_flat, k_flat, v_flat, out, acc_lse, *round_lse)
         ctx.plans = plans
-        return acc
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -391,14 +392,21 @@ def _round_backward(plan, flats, grads, row, weight, scratch):
 
 
 def _merge_into(acc, acc_lse, plan, o, lse):
-    """merge_partials of ``(acc (B, H, L, Dv), acc_lse (B, H, L))`` by position and a round's
-    ``(o (S, Dv), lse (S,))`` by slot: ``acc`` and ``o`` in place, the new lse returned
-    (autograd must not record it: it overwrites both)."""
-    new = torch.logaddexp(acc_lse, acc_lse.new_empty(acc_lse.shape).scatter_(2, plan.pos, plan.real(lse)))
+    """merge_partials of ``(acc (B·H·L + 1, Dv), acc_lse (B, H, L))`` by position (None before
+    the first round: acc is then only written) and a round's ``(o (S, Dv), lse (S,))`` by slot:
+    ``acc`` and ``o`` in place, the new lse returned (autograd must not record it: it
+    overwrites both). Padding slots go to acc's last row."""
+    by_pos = plan.pos.new_empty(plan.pos.shape, dtype=lse.dtype).scatter_(2, plan.pos, plan.real(lse))
+    if acc_lse is None:
+        if not bool(torch.isfinite(by_pos).all()):
+            o.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)  # rows with no key: no output
+        acc.index_copy_(0, plan.out_rows, o)
+        return by_pos
+    new = torch.logaddexp(acc_lse, by_pos)
     safe = finite_or_zero(new)  # (B, H, L)
-    acc.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
-    weight = torch.where(plan.q_real, torch.exp(lse - safe.view(-1)[plan.q_rows]), 0.0)  # (S,)
-    acc.view(-1, acc.shape[-1]).index_add_(0, plan.q_rows, o.mul_(weight.unsqueeze(-1)))
+    acc[:-1].mul_(torch.exp(acc_lse - safe).view(-1, 1))
+    weight = torch.exp(lse - safe.view(-1)[plan.q_rows])  # (S,)
+    acc.index_add_(0, plan.out_rows, o.mul_(weight.unsqueeze(-1)))
     return new
 
 
