@@ -154,8 +154,9 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     if opts.count_duplicates and opts.n_hashes > 1:
         codes = _meeting_codes(*hashed, opts.bucket_size, opts)
     dtype = wide(q).dtype
-    plans = [_Round(r, *hashed, codes, key_mask, causal, opts, dtype) for r in range(opts.n_hashes)]
-    flat_q = wide(q * softmax_scale(q, scale)).reshape(B * H * L, D)  # half precision: float32 inside
+    plans = [_Round(r, *hashed, codes, key_mask, causal, opts, dtype, softmax_scale(q, scale))
+             for r in range(opts.n_hashes)]
+    flat_q = wide(q).reshape(B * H * L, D)  # half precision: float32 inside; scaled when gathered
     flat_k, flat_v = wide(keys).reshape(B * H * L, D), wide(v).reshape(B * H * L, -1)
     return _Rounds.apply(flat_q, flat_k, flat_v, plans).to(q.dtype)
 
@@ -177,11 +178,12 @@ class _Round:
     exactly (integers and halves): float passes are vectorised on the CPU, bool compares not.
     """
 
-    def __init__(self, r, q_buckets, k_buckets, q_order, k_order, codes, key_mask, causal, opts, dtype):
+    def __init__(self, r, q_buckets, k_buckets, q_order, k_order, codes, key_mask, causal, opts, dtype,
+                 scale):
         B, H, _, L = q_order.shape
         m = self.m = opts.bucket_size
         nc = -(-L // m)
-        self.shared, self.L, self.nc = opts.shared_qk, L, nc
+        self.shared, self.L, self.nc, self.scale = opts.shared_qk, L, nc, scale
         self.pos = q_order[:, :, r]  # (B, H, L): the position in each sorted slot
         q_pos = _slotted(self.pos, m, nc, -1)  # (S,): position of each query slot, -1 padding
         k_pos = q_pos if k_order is q_order else _slotted(k_order[:, :, r], m, nc, -1)
@@ -232,13 +234,16 @@ class _Round:
         """Query chunks a..b−1 of q (and of the output's gradient) and the windows they see of
         k and v, gathered from ``flats`` = (q, k, v[, g]) rows (B·H·L, X) into the scratch
         buffers (in cache; whole-round copies would be faulted in afresh at every call):
-        q_c (n, m, D), k_w (n, 2m, D), v_w (n, 2m, Dv)[, g_c (n, m, Dv)], windows as views."""
+        q_c (n, m, D) (scaled here), k_w (n, 2m, D), v_w (n, 2m, Dv)[, g_c (n, m, Dv)],
+        windows as views."""
         m, n = self.m, b - a
         q_idx, k_idx = self.q_rows[a * m:b * m], self.k_rows[(a - 1) * m:b * m]
         out = []
         for t, idx, buf in zip(flats, (q_idx, k_idx, k_idx, q_idx), scratch.rows, strict=False):
             got = torch.index_select(t, 0, idx, out=buf[:idx.shape[0]])
             out.append(got.view(n, m, -1) if idx is q_idx else got.unfold(0, 2 * m, m).transpose(1, 2))
+        if self.scale != 1.0:
+            out[0].mul_(self.scale)
         return out
 
     def scores(self, q_c, k_w, a, b, scratch):
@@ -382,7 +387,7 @@ def _round_backward(plan, flats, grads, row, weight, scratch):
         p.mul_(plan.rows(weight, a, b))  # (n, m, 2m)
         ds = torch.bmm(g_c, v_w.transpose(1, 2), out=scratch.ds[:n]).add_(plan.rows(row, a, b)).mul_(p)
         dq = torch.bmm(ds, k_w, out=scratch.dq[:n * m].view(n, m, -1))
-        grads[0].index_add_(0, plan.q_rows[a * m:b * m], dq.flatten(0, 1))
+        grads[0].index_add_(0, plan.q_rows[a * m:b * m], dq.flatten(0, 1), alpha=plan.scale)  # (q unscaled)
         for d, weights, by, grad in ((scratch.dk, ds, q_c, grads[1]), (scratch.dv, p, g_c, grads[2])):
             d = d[:(n + 1) * m]  # (n + 1)·m key rows: the chunk before the group's first, and its chunks
             torch.bmm(weights[..., :m].transpose(1, 2), by, out=d[:n * m].view(n, m, -1))  # the chunk before
