@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.mechanisms._common import (
+    LOG2E,
     finite_or_zero,
     pad_to,
     softmax_scale,
@@ -234,7 +235,7 @@ class _Round:
         """Query chunks a..b−1 of q (and of the output's gradient) and the windows they see of
         k and v, gathered from ``flats`` = (q, k, v[, g]) rows (B·H·L, X) into the scratch
         buffers (in cache; whole-round copies would be faulted in afresh at every call):
-        q_c (n, m, D) (scaled here), k_w (n, 2m, D), v_w (n, 2m, Dv)[, g_c (n, m, Dv)],
+        q_c (n, m, D) (scaled here, by scale·log2 e), k_w (n, 2m, D), v_w (n, 2m, Dv)[, g_c (n, m, Dv)],
         windows as views."""
         m, n = self.m, b - a
         q_idx, k_idx = self.q_rows[a * m:b * m], self.k_rows[(a - 1) * m:b * m]
@@ -242,8 +243,7 @@ class _Round:
         for t, idx, buf in zip(flats, (q_idx, k_idx, k_idx, q_idx), scratch.rows, strict=False):
             got = torch.index_select(t, 0, idx, out=buf[:idx.shape[0]])
             out.append(got.view(n, m, -1) if idx is q_idx else got.unfold(0, 2 * m, m).transpose(1, 2))
-        if self.scale != 1.0:
-            out[0].mul_(self.scale)
+        out[0].mul_(self.scale * LOG2E)  # scores in base 2: exp2 is several times faster than exp here
         return out
 
     def scores(self, q_c, k_w, a, b, scratch):
@@ -273,7 +273,7 @@ class _Round:
         if self.window_bad is not None:
             scores.add_(self.window_bad[a - 1:b - 1].unsqueeze(1), alpha=-OUT_OF_REACH)
         if self.shared:  # a query's own key is slot m + i of its window (one order)
-            scores[..., self.m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY)
+            scores[..., self.m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY * LOG2E)  # (base 2)
         return scores
 
     def real(self, t):
@@ -327,32 +327,30 @@ class _Rounds(torch.autograd.Function):
         B, H, L = plans[0].pos.shape
         acc, acc_lse = q_flat.new_empty(B * H * L + 1, v_flat.shape[-1]), None  # (+ a row for padding)
         flats = q_flat, k_flat, v_flat
-        scratch = _Scratch(plans[0], flats, ("scores", "reasons", "met", "p"))
+        scratch = _Scratch(plans[0], flats, ("scores", "reasons", "met"))
         o = q_flat.new_empty(plans[0].q_rows.shape[0], v_flat.shape[-1])  # (S, Dv): each round's, by slot
         o[:plans[0].m].zero_()  # the padding chunk: no group computes it
-        round_lse = []
         for plan in plans:
             lse = _round_forward(plan, flats, o, scratch)  # (S,): by slot
             acc_lse = _merge_into(acc, acc_lse, plan, o, lse)
-            round_lse.append(lse)
         out = acc[:-1].view(B, H, L, -1)
-        ctx.save_for_backward(q_flat, k_flat, v_flat, out, acc_lse, *round_lse)
+        ctx.save_for_backward(q_flat, k_flat, v_flat, out, acc_lse)
         ctx.plans = plans
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q_flat, k_flat, v_flat, out, lse, *round_lse = ctx.saved_tensors
+        q_flat, k_flat, v_flat, out, lse = ctx.saved_tensors
         grads = tuple(torch.zeros_like(t) for t in (q_flat, k_flat, v_flat))
         flat_grad = grad.reshape(-1, grad.shape[-1])  # (B·H·L, Dv): rows as q_flat's
-        row, total = -torch.linalg.vecdot(grad, out).reshape(-1), lse.reshape(-1)  # by row
+        row = -torch.linalg.vecdot(grad, out).reshape(-1)  # by row
+        total = torch.where(torch.isfinite(lse), lse * LOG2E, float("inf")).reshape(-1)  # no key: no weight
         flats = q_flat, k_flat, v_flat, flat_grad
-        scratch = _Scratch(ctx.plans[0], flats, ("scores", "reasons", "met", "p", "ds"))
+        scratch = _Scratch(ctx.plans[0], flats, ("scores", "reasons", "met", "ds"))
         scratch.dq, scratch.dk, scratch.dv = (torch.empty_like(buf) for buf in scratch.rows[:3])  # a group's
-        for plan, own in zip(ctx.plans, round_lse, strict=True):
-            keep = plan.q_real & torch.isfinite(own)  # real queries with a key in this round
-            weight = torch.where(keep, torch.exp(own - total[plan.q_rows]), 0.0)  # (S,): round -> union
-            _round_backward(plan, flats, grads, row[plan.q_rows], weight, scratch)
+        for plan in ctx.plans:
+            shift = torch.where(plan.q_real, total[plan.q_rows], float("inf"))  # (S,): padding gets none
+            _round_backward(plan, flats, grads, row[plan.q_rows], shift, scratch)
         return *grads, None
 
 
@@ -363,37 +361,39 @@ def _round_forward(plan, flats, o, scratch):
     lse = o.new_full(o.shape[:1], float("-inf"))
     for a, b in plan.groups:
         q_c, k_w, v_w = plan.gather(flats, a, b, scratch)
-        scores = plan.scores(q_c, k_w, a, b, scratch)  # (n, m, 2m)
-        top = scores.amax(-1)  # (n, m)
-        p = torch._softmax(scores, -1, False, out=scratch.p[:b - a])
-        torch.bmm(p, v_w, out=plan.rows(o, a, b))
-        lse_g = lse[a * m:b * m].view(b - a, m)
-        torch.sub(top, p.amax(-1).log_(), out=lse_g)  # lse = max − log(max p)
+        scores = plan.scores(q_c, k_w, a, b, scratch)  # (n, m, 2m), base 2
+        top = scores.amax(-1, keepdim=True)  # (n, m, 1)
+        weights = scores.sub_(top).exp2_()  # unnormalised: the largest is 1
+        total = weights.sum(-1, keepdim=True)  # (n, m, 1)
+        torch.bmm(weights, v_w, out=plan.rows(o, a, b)).div_(total)
+        lse_g = lse[a * m:b * m].view(b - a, m, 1)
+        torch.add(top, total.log2_(), out=lse_g).mul_(1 / LOG2E)  # natural log-sum-exp
         empty = top < -OUT_OF_REACH / 4  # every key out of reach
         if bool(empty.any()):
             lse_g.masked_fill_(empty, float("-inf"))
     return lse
 
 
-def _round_backward(plan, flats, grads, row, weight, scratch):
+def _round_backward(plan, flats, grads, row, shift, scratch):
     """Adds one round's share to ``grads`` = (dq, dk, dv), rows like ``flats`` = (q, k, v, g),
-    group by group: the weights recomputed and taken to the union's softmax by ``weight``
-    (S,), then d scores = p ⊙ (g vᵀ + row) (``row`` (S,))."""
+    group by group: the weights of the union's softmax recomputed as 2^(scores − ``shift``)
+    (S,) (its log-sum-exp in base 2; +inf: none), then d scores = p ⊙ (g vᵀ + row)
+    (``row`` (S,))."""
     m = plan.m
     for a, b in plan.groups:
         n = b - a
         q_c, k_w, v_w, g_c = plan.gather(flats, a, b, scratch)
-        p = torch._softmax(plan.scores(q_c, k_w, a, b, scratch), -1, False, out=scratch.p[:n])
-        p.mul_(plan.rows(weight, a, b))  # (n, m, 2m)
+        p = plan.scores(q_c, k_w, a, b, scratch).sub_(plan.rows(shift, a, b)).exp2_()  # (n, m, 2m)
         ds = torch.bmm(g_c, v_w.transpose(1, 2), out=scratch.ds[:n]).add_(plan.rows(row, a, b)).mul_(p)
-        dq = torch.bmm(ds, k_w, out=scratch.dq[:n * m].view(n, m, -1))
-        grads[0].index_add_(0, plan.q_rows[a * m:b * m], dq.flatten(0, 1), alpha=plan.scale)  # (q unscaled)
-        for d, weights, by, grad in ((scratch.dk, ds, q_c, grads[1]), (scratch.dv, p, g_c, grads[2])):
+        dq = torch.bmm(ds, k_w, out=scratch.dq[:n * m].view(n, m, -1)).mul_(plan.scale)  # (q unscaled)
+        grads[0].index_add_(0, plan.q_rows[a * m:b * m], dq.flatten(0, 1))  # (an alpha: 3x slower here)
+        for d, weights, by, grad, factor in ((scratch.dk, ds, q_c, grads[1], 1 / LOG2E),  # (q_c in base 2)
+                                             (scratch.dv, p, g_c, grads[2], 1.0)):
             d = d[:(n + 1) * m]  # (n + 1)·m key rows: the chunk before the group's first, and its chunks
             torch.bmm(weights[..., :m].transpose(1, 2), by, out=d[:n * m].view(n, m, -1))  # the chunk before
             d[n * m:].zero_()
             d[m:].view(n, m, -1).baddbmm_(weights[..., m:].transpose(1, 2), by)  # the chunk itself
-            grad.index_add_(0, plan.k_rows[(a - 1) * m:b * m], d)
+            grad.index_add_(0, plan.k_rows[(a - 1) * m:b * m], d if factor == 1 else d.mul_(factor))
 
 
 def _merge_into(acc, acc_lse, plan, o, lse):
