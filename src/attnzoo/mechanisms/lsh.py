@@ -357,8 +357,7 @@ class _Rounds(torch.autograd.Function):
 def _round_forward(plan, flats, o, scratch):
     """One round's partial softmax by slot: o (S, Dv) written in place, lse (S,) returned (-inf
     where no key, and o there finite but of no weight)."""
-    m = plan.m
-    lse = o.new_full(o.shape[:1], float("-inf"))
+    lse = o.new_full(o.shape[:1], float("-inf"))  # base 2 until the end
     for a, b in plan.groups:
         q_c, k_w, v_w = plan.gather(flats, a, b, scratch)
         scores = plan.scores(q_c, k_w, a, b, scratch)  # (n, m, 2m), base 2
@@ -366,12 +365,8 @@ def _round_forward(plan, flats, o, scratch):
         weights = scores.sub_(top).exp2_()  # unnormalised: the largest is 1
         total = weights.sum(-1, keepdim=True)  # (n, m, 1)
         torch.bmm(weights, v_w, out=plan.rows(o, a, b)).div_(total)
-        lse_g = lse[a * m:b * m].view(b - a, m, 1)
-        torch.add(top, total.log2_(), out=lse_g).mul_(1 / LOG2E)  # natural log-sum-exp
-        empty = top < -OUT_OF_REACH / 4  # every key out of reach
-        if bool(empty.any()):
-            lse_g.masked_fill_(empty, float("-inf"))
-    return lse
+        torch.add(top, total.log2_(), out=plan.rows(lse, a, b))
+    return lse.masked_fill_(lse < -OUT_OF_REACH / 4, float("-inf")).mul_(1 / LOG2E)  # every key out of reach
 
 
 def _round_backward(plan, flats, grads, row, shift, scratch):
