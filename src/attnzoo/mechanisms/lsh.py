@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from attnzoo.mechanisms._common import (
     LOG2E,
-    finite_or_zero,
     pad_to,
     softmax_scale,
     wide,
@@ -184,7 +183,7 @@ class _Round:
         B, H, _, L = q_order.shape
         m = self.m = opts.bucket_size
         nc = -(-L // m)
-        self.shared, self.L, self.nc, self.scale = opts.shared_qk, L, nc, scale
+        self.shared, self.scale = opts.shared_qk, scale
         self.pos = q_order[:, :, r]  # (B, H, L): the position in each sorted slot
         q_pos = _slotted(self.pos, m, nc, -1)  # (S,): position of each query slot, -1 padding
         k_pos = q_pos if k_order is q_order else _slotted(k_order[:, :, r], m, nc, -1)
@@ -276,11 +275,6 @@ class _Round:
             scores[..., self.m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY * LOG2E)  # (base 2)
         return scores
 
-    def real(self, t):
-        """The real slots of t (S, ...), by head: (B, H, L, ...) (a view)."""
-        B, H, L = self.pos.shape
-        return t[self.m:].view(B * H, self.nc * self.m, *t.shape[1:])[:, :L].view(B, H, L, *t.shape[1:])
-
 
 def _slotted(by_slot, m, nc, fill):
     """(B, H, L) values of the sorted slots -> (S,): a padding chunk, then per head the slots
@@ -325,26 +319,29 @@ class _Rounds(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_flat, k_flat, v_flat, plans):
         B, H, L = plans[0].pos.shape
-        acc, acc_lse = q_flat.new_empty(B * H * L + 1, v_flat.shape[-1]), None  # (+ a row for padding)
+        acc = q_flat.new_empty(B * H * L + 1, v_flat.shape[-1])  # by row, and a spare row for padding
+        acc_lse = q_flat.new_empty(B * H * L + 1)  # its log-sum-exp, base 2
         flats = q_flat, k_flat, v_flat
         scratch = _Scratch(plans[0], flats, ("scores", "reasons", "met"))
-        o = q_flat.new_empty(plans[0].q_rows.shape[0], v_flat.shape[-1])  # (S, Dv): each round's, by slot
-        o[:plans[0].m].zero_()  # the padding chunk: no group computes it
-        for plan in plans:
-            lse = _round_forward(plan, flats, o, scratch)  # (S,): by slot
-            acc_lse = _merge_into(acc, acc_lse, plan, o, lse)
-        out = acc[:-1].view(B, H, L, -1)
-        ctx.save_for_backward(q_flat, k_flat, v_flat, out, acc_lse)
+        scratch.o = v_flat.new_empty(scratch.rows[0].shape[0], v_flat.shape[-1])  # a group's output
+        for r, plan in enumerate(plans):
+            _round_forward(plan, flats, acc, acc_lse, scratch, first=r == 0)
+        out, lse = acc[:-1], acc_lse[:-1]
+        empty = lse < -OUT_OF_REACH / 4  # every key out of reach in every round: no output
+        if bool(empty.any()):
+            out.masked_fill_(empty.unsqueeze(-1), 0.0)
+            lse.masked_fill_(empty, float("-inf"))
+        ctx.save_for_backward(q_flat, k_flat, v_flat, out, lse)
         ctx.plans = plans
-        return out
+        return out.view(B, H, L, -1)
 
     @staticmethod
     def backward(ctx, grad):
         q_flat, k_flat, v_flat, out, lse = ctx.saved_tensors
         grads = tuple(torch.zeros_like(t) for t in (q_flat, k_flat, v_flat))
         flat_grad = grad.reshape(-1, grad.shape[-1])  # (B·H·L, Dv): rows as q_flat's
-        row = -torch.linalg.vecdot(grad, out).reshape(-1)  # by row
-        total = torch.where(torch.isfinite(lse), lse * LOG2E, float("inf")).reshape(-1)  # no key: no weight
+        row = -torch.linalg.vecdot(flat_grad, out)  # by row
+        total = torch.where(torch.isfinite(lse), lse, float("inf"))  # (base 2) no key: no weight
         flats = q_flat, k_flat, v_flat, flat_grad
         scratch = _Scratch(ctx.plans[0], flats, ("scores", "reasons", "met", "ds"))
         scratch.dq, scratch.dk, scratch.dv = (torch.empty_like(buf) for buf in scratch.rows[:3])  # a group's
@@ -354,19 +351,26 @@ class _Rounds(torch.autograd.Function):
         return *grads, None
 
 
-def _round_forward(plan, flats, o, scratch):
-    """One round's partial softmax by slot: o (S, Dv) written in place, lse (S,) returned (-inf
-    where no key, and o there finite but of no weight)."""
-    lse = o.new_full(o.shape[:1], float("-inf"))  # base 2 until the end
+def _round_forward(plan, flats, acc, acc_lse, scratch, first):
+    """One round's partial softmax, group by group, merged into ``acc`` (B·H·L + 1, Dv) and its
+    log-sum-exp ``acc_lse`` (base 2) by row, in place (the first round writes them). Where
+    every key is out of reach the lse is about −OUT_OF_REACH: such a part gets no weight."""
+    m = plan.m
     for a, b in plan.groups:
+        n = b - a
         q_c, k_w, v_w = plan.gather(flats, a, b, scratch)
         scores = plan.scores(q_c, k_w, a, b, scratch)  # (n, m, 2m), base 2
         top = scores.amax(-1, keepdim=True)  # (n, m, 1)
         weights = scores.sub_(top).exp2_()  # unnormalised: the largest is 1
         total = weights.sum(-1, keepdim=True)  # (n, m, 1)
-        torch.bmm(weights, v_w, out=plan.rows(o, a, b)).div_(total)
-        torch.add(top, total.log2_(), out=plan.rows(lse, a, b))
-    return lse.masked_fill_(lse < -OUT_OF_REACH / 4, float("-inf")).mul_(1 / LOG2E)  # every key out of reach
+        o = torch.bmm(weights, v_w, out=scratch.o[:n * m].view(n, m, -1)).div_(total).flatten(0, 1)
+        lse = top.add_(total.log2_()).view(-1)  # (n·m,)
+        rows = plan.out_rows[a * m:b * m]  # (padding: the spare row)
+        if first:
+            acc.index_copy_(0, rows, o)
+            acc_lse.index_copy_(0, rows, lse)
+        else:
+            _merge_rows(acc, acc_lse, rows, o, lse)
 
 
 def _round_backward(plan, flats, grads, row, shift, scratch):
@@ -391,23 +395,15 @@ def _round_backward(plan, flats, grads, row, shift, scratch):
             grad.index_add_(0, plan.k_rows[(a - 1) * m:b * m], d if factor == 1 else d.mul_(factor))
 
 
-def _merge_into(acc, acc_lse, plan, o, lse):
-    """merge_partials of ``(acc (B·H·L + 1, Dv), acc_lse (B, H, L))`` by position (None before
-    the first round: acc is then only written) and a round's ``(o (S, Dv), lse (S,))`` by slot:
-    ``acc`` and ``o`` in place, the new lse returned (autograd must not record it: it
-    overwrites both). Padding slots go to acc's last row."""
-    by_pos = plan.pos.new_empty(plan.pos.shape, dtype=lse.dtype).scatter_(2, plan.pos, plan.real(lse))
-    if acc_lse is None:
-        if not bool(torch.isfinite(by_pos).all()):
-            o.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)  # rows with no key: no output
-        acc.index_copy_(0, plan.out_rows, o)
-        return by_pos
-    new = torch.logaddexp(acc_lse, by_pos)
-    safe = finite_or_zero(new)  # (B, H, L)
-    acc[:-1].mul_(torch.exp(acc_lse - safe).view(-1, 1))
-    weight = torch.exp(lse - safe.view(-1)[plan.q_rows])  # (S,)
-    acc.index_add_(0, plan.out_rows, o.mul_(weight.unsqueeze(-1)))
-    return new
+def _merge_rows(acc, acc_lse, rows, o, lse):
+    """merge_partials, in base 2, of ``acc``'s ``rows`` and a group's ``(o (R, Dv), lse (R,))``
+    over other keys, in place (autograd must not record it: it overwrites both)."""
+    old = acc_lse.index_select(0, rows)  # (R,)
+    new = torch.logaddexp2(old, lse)
+    merged = acc.index_select(0, rows).mul_(torch.exp2(old - new).unsqueeze(-1))
+    merged.addcmul_(o, torch.exp2(lse - new).unsqueeze(-1))
+    acc.index_copy_(0, rows, merged)
+    acc_lse.index_copy_(0, rows, new)
 
 
 def _meeting_codes(q_buckets, k_buckets, q_order, k_order, m, opts):
