@@ -140,9 +140,10 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     Shapes: q, k (B, H, L, D), v (B, H, L, Dv) -> (B, H, L, Dv); self-attention only.
     Cost O(n_hashes·L·bucket_size·D) time (plus n_hashes(n_hashes − 1)·L·bucket_size
     compares for counting each key once) and O(L·(D + Dv) + GROUP_SCORES) memory: each
-    round gathers queries, keys and values into its sorted order once, then runs over
-    groups of chunks whose scores stay in cache (every chunk and its window a strided
-    view), and merges into a running log-sum-exp. The sort is O(L log L). No L×L tensor.
+    round runs over groups of its sorted chunks; a group gathers its queries and the keys
+    and values of their windows into reused buffers, computes its scores in cache (in
+    base 2, with the keys out of reach penalised) and merges into the output's running
+    log-sum-exp. The sort is O(L log L). No L×L tensor.
     Choices: rotations are shared by batch and heads; chunk 0 has no chunk before it (no
     wrap-around); with ``shared_qk`` a query's own key scores −1e5, so it is attended only
     when nothing else is, as in the paper.
@@ -169,9 +170,9 @@ class _Round:
     """One hash round in sorted slot space: a padding chunk, then per batch and head the
     round's nc chunks of m sorted slots (the last padded); S = (1 + B·H·nc)·m slots in all.
     Query chunk f sees key slots [(f − 1)m, (f + 1)m): its chunk and the one before (a
-    head's first chunk sees the chunk before it in the layout, and none of its keys). Once
-    queries, keys and values are gathered into this order, every chunk and window is a
-    strided view and a group of chunks is a batched matmul.
+    head's first chunk sees the chunk before it in the layout, and none of its keys). A group
+    of chunks gathers its rows in this order, so that its chunks and their windows are
+    strided views and its scores one batched matmul.
 
     Which keys a query may attend is added to the scores as −OUT_OF_REACH × (the number of
     reasons it may not), a sum of float terms per (query slot, window slot), each 0 or ≥ 1
