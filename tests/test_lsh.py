@@ -70,13 +70,33 @@ def test_more_rounds_meet_more_keys():
 @pytest.mark.parametrize("across, dup", [(False, True), (True, False), (True, True)])
 def test_groups_of_chunks_match_reference(monkeypatch, causal, masked, across, dup):
     """Groups of 3 chunks (2m·m scores each): groups that start and end inside a head and span
-    two, with each head's padding chunk, windows across group edges and gradients added there."""
+    two (a head's first chunk sees the last chunk of the head before, none of whose keys it may
+    attend), windows across group edges and gradients added there."""
     from attnzoo.mechanisms import lsh
 
     monkeypatch.setattr(lsh, "GROUP_SCORES", 3 * 2 * 4 * 4)
     check_against_reference("lsh", B=2, H=2, Lq=37, Lk=37, D=5, causal=causal, masked=masked,
                             options={"bucket_size": 4, "n_hashes": 3, "attend_across_buckets": across,
                                      "count_duplicates": dup})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_shared_qk_groups_and_gradients_match_reference(monkeypatch, causal):
+    """Shared QK (one sort order, keys q/‖q‖, the self penalty) over groups of 3 chunks: the
+    outputs and the gradients of q (through the keys too) and v."""
+    from attnzoo.mechanisms import lsh
+
+    monkeypatch.setattr(lsh, "GROUP_SCORES", 3 * 2 * 4 * 4)
+    q, _, v, km = random_inputs(B=2, H=2, Lq=37, Lk=37, D=5, seed=4, masked=True, requires_grad=True)
+    g = torch.randn(2, 2, 37, 5, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+    results = []
+    for reference in (False, True):
+        out = attnzoo.attention(q, q, v, mechanism="lsh", causal=causal, key_mask=km, shared_qk=True,
+                                bucket_size=4, n_hashes=3, reference=reference,
+                                generator=torch.Generator().manual_seed(6))
+        results.append((out, *torch.autograd.grad(out, (q, v), g)))
+    for fast, ref in zip(*results, strict=True):
+        torch.testing.assert_close(fast, ref, atol=1e-10, rtol=1e-8)
 
 
 def test_lsh_gradcheck():
