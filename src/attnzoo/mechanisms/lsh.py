@@ -86,7 +86,7 @@ def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     earlier = torch.arange(half, 0, -1, dtype=x.dtype, device=x.device)  # b/2 − c: larger for earlier c
     out = torch.empty(B, H, R, L, dtype=torch.long, device=x.device)
     rows = max(1, HASH_BLOCK // (B * H * R * half))  # positions a block: the rotated block stays in cache
-    buffer = x.new_empty(B * H * min(rows, L) * R * half)  # every block's (fresh: faulted in each time)
+    buffer = x.new_empty(B * H * min(rows, L) * R * half)  # one for every block (a fresh one faults in)
     for s in range(0, L, rows):
         n = min(rows, L - s)
         rotated = buffer[:B * H * n * R * half].view(B, H, n, R, half)  # (B, H, n, R, b/2)
@@ -409,8 +409,8 @@ def _merge_rows(acc, acc_lse, rows, o, lse):
 
 def _meeting_codes(q_buckets, k_buckets, q_order, k_order, m, opts):
     """(q_code, k_code), each (B, H, n_hashes, L): query and key meet in a round iff
-    0 <= q_code − k_code <= 1. In int16 where the codes fit (a quarter of int64's bytes in
-    the compares that count each key once), else int32.
+    0 <= q_code − k_code <= 1. In int16 where the codes fit, else int32 (compact: each round
+    gathers the earlier rounds' codes into its slots as float terms, :func:`_earlier_codes`).
 
     Across buckets the code is the position's chunk after sorting. Within buckets, with
     shared QK (one order) it is the sorted slot's segment: +1 at each new chunk, +2 at each
