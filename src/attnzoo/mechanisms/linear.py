@@ -88,23 +88,25 @@ def _causal_prefix(phi_q, phi_k, v, S0, z0, chunk, eps):
     L = phi_q.shape[2]
     pq, pk, pv = _chunked((phi_q, phi_k, v), chunk)
     c = _ChunkTerms(pq, pk, pv, S0, z0, eps)
-    out = (c.num / c.den.unsqueeze(-1)).flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
+    num = _bmm_add(_bmm(c.scores, pv), pq, c.S_before)  # (B, H, nc, chunk, Dv)
+    out = num.div_(c.den.unsqueeze(-1)).flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
     return out, c.S_before[:, :, -1] + c.S_c[:, :, -1], c.z_before[:, :, -1] + c.z_c[:, :, -1]
 
 
-def _causal_prefix_grad(phi_q, phi_k, v, S0, z0, chunk, eps, g, g_S, g_z):
+def _causal_prefix_grad(phi_q, phi_k, v, S0, z0, chunk, eps, out, g, g_S, g_z):
     """The gradients of :func:`_causal_prefix`'s (out, S, z) by (g, g_S, g_z), written out:
-    (d phi_q, d phi_k, dv, dS0, dz0). With g_num = g/den, g_den = −g_num·out and
+    (d phi_q, d phi_k, dv, dS0, dz0); ``out`` is the forward's output (B, H, L, Dv). With
+    g_num = g/den, g_den = −g_num·out and
     dA = tril(g_num pvᵀ + g_den 1ᵀ) in each chunk: dpq = dA pk + g_num S_beforeᵀ + g_den z_beforeᵀ,
     dpk = dAᵀ pq + pv dS_cᵀ + dz_c, dpv = Aᵀ g_num + pk dS_c, where a chunk's own state
     takes the gradients of the states of the chunks after it (dS_c = Σ_later pqᵀ g_num + g_S)."""
     L = phi_q.shape[2]
-    pq, pk, pv, pg = _chunked((phi_q, phi_k, v, g), chunk)
+    pq, pk, pv, pg, po = _chunked((phi_q, phi_k, v, g, out), chunk)
     c = _ChunkTerms(pq, pk, pv, S0, z0, eps)
     den = c.den.flatten(2)
     den[:, :, L:] = 1.0  # padding rows (g = 0 there): no 0/0 when eps = 0
     g_num = pg / c.den.unsqueeze(-1)  # (B, H, nc, chunk, Dv)
-    g_den = torch.linalg.vecdot(g_num, c.num).div_(c.den).neg_()  # (B, H, nc, chunk)
+    g_den = torch.linalg.vecdot(g_num, po).neg_()  # (B, H, nc, chunk)
     dA = _bmm(g_num, pv.transpose(-1, -2)).add_(g_den.unsqueeze(-1)).tril_()  # (B, H, nc, chunk, chunk)
     d_pq = _bmm_add(_bmm(dA, pk), g_num, c.S_before.transpose(-1, -2)).addcmul_(
         g_den.unsqueeze(-1), c.z_before.unsqueeze(-2))
@@ -149,13 +151,13 @@ def _bmm_add(t, a, b):
 class _ChunkTerms:
     """The chunked causal pass's terms (see :func:`_causal_prefix`), for its forward and backward:
     scores A (B, H, nc, chunk, chunk), the chunks' states S_c (B, H, nc, F, Dv) and z_c
-    (B, H, nc, F), the states before each chunk, num (B, H, nc, chunk, Dv) and den (B, H, nc, chunk)."""
+    (B, H, nc, F), the states before each chunk and den (B, H, nc, chunk). (The numerator
+    A pv + pq S_before is the forward's alone: the backward reads the saved output instead.)"""
 
     def __init__(self, pq, pk, pv, S0, z0, eps):
         self.scores = _bmm(pq, pk.transpose(-1, -2)).tril_()  # j <= i within the chunk
         self.S_c, self.z_c = _bmm(pk.transpose(-1, -2), pv), pk.sum(3)
         self.S_before, self.z_before = _running(self.S_c, S0), _running(self.z_c, z0)
-        self.num = _bmm_add(_bmm(self.scores, pv), pq, self.S_before)
         self.den = torch.linalg.vecdot(pq, self.z_before.unsqueeze(-2)).add_(self.scores.sum(-1)).add_(eps)
 
 
@@ -457,22 +459,22 @@ class _CausalBlocks(torch.autograd.Function):
     def forward(ctx, q, k, v, S, z, key_mask, step, rows):
         states = []
         out, S, z = _causal_run(q, k, v, (S, z), key_mask, step, rows, states)
-        ctx.save_for_backward(q, k, v, key_mask, *(t for state in states for t in state))
+        ctx.save_for_backward(q, k, v, key_mask, out, *(t for state in states for t in state))
         ctx.step, ctx.rows = step, rows
         return out, S, z
 
     @staticmethod
     def backward(ctx, g_out, g_S, g_z):
-        q, k, v, key_mask, *states = ctx.saved_tensors
+        q, k, v, key_mask, out, *states = ctx.saved_tensors
         rows = ctx.rows  # (unused outputs' gradients come as zeros: materialize_grads)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        blocks = list(zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows), g_out.split(rows, 2),
-                          strict=True))
+        blocks = list(zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows), out.split(rows, 2),
+                          g_out.split(rows, 2), strict=True))
         for n in reversed(range(len(blocks))):
-            q_blk, (k_blk, v_blk, mask), g_o = blocks[n]
+            q_blk, (k_blk, v_blk, mask), o, g_o = blocks[n]
             at = slice(n * rows, n * rows + q_blk.shape[2])
             dq[:, :, at], dk[:, :, at], dv[:, :, at], g_S, g_z = ctx.step.grad(
-                q_blk, k_blk, v_blk, mask, *states[2 * n:2 * n + 2], g_o, g_S, g_z)
+                q_blk, k_blk, v_blk, mask, *states[2 * n:2 * n + 2], o, g_o, g_S, g_z)
         return dq, dk, dv, g_S, g_z, None, None, None
 
 
@@ -491,13 +493,13 @@ class _CausalStep:
         f_k = _key_features(self.phi_k, k_blk, mask)[0]
         return _causal_prefix(self.phi_q(q_blk), f_k, v_blk, S, z, self.chunk, self.eps)
 
-    def grad(self, q_blk, k_blk, v_blk, mask, S, z, g_out, g_S, g_z):
-        """(dq, dk, dv, dS, dz) of the block from the gradients of its (out, S, z)."""
+    def grad(self, q_blk, k_blk, v_blk, mask, S, z, out, g_out, g_S, g_z):
+        """(dq, dk, dv, dS, dz) of the block from its output and the gradients of its (out, S, z)."""
         q_b, k_b = (t.detach().requires_grad_() for t in (q_blk, k_blk))
         with torch.enable_grad():
             f_q, f_k = self.phi_q(q_b), _key_features(self.phi_k, k_b, mask)[0]  # (B, H, n, F)
         d_fq, d_fk, dv, dS, dz = _causal_prefix_grad(f_q.detach(), f_k.detach(), v_blk, S, z, self.chunk,
-                                                     self.eps, g_out, g_S, g_z)
+                                                     self.eps, out, g_out, g_S, g_z)
         torch.autograd.backward((f_q, f_k), (d_fq, d_fk))
         return q_b.grad, k_b.grad, dv, dS, dz
 
