@@ -369,16 +369,18 @@ class Normalised:
     def grad(self, q_blk, g, S, z):
         """(dq, dS, dz) of a query block from the gradient g of its output: with num = φS,
         den = φ·z + eps, g_num = g/den and g_den = −(g_num·num)/den, dφ = g_num Sᵀ + g_den zᵀ,
-        dS = φᵀ g_num, dz = φᵀ g_den; dq by autograd through φ alone. (num is recomputed: a
-        saved output, read here, let the heap keep ~3 output sizes between calls.)"""
+        dS = φᵀ g_num, dz = φᵀ g_den; dq by autograd through φ alone. g_num·num is read as
+        φ·(g_num Sᵀ), from the product dφ needs anyway: neither num nor the forward's output
+        (saving it let the heap keep ~3 output sizes between calls) is needed."""
         q_b = q_blk.detach().requires_grad_()
         with torch.enable_grad():
             f = self.phi_q(q_b)  # (B, H, n, F)
         fd = f.detach()
         den = self._den(fd, z)
         g_num = g / den  # (B, H, n, Dv)
-        g_den = torch.linalg.vecdot(g_num, fd @ S).unsqueeze(-1).div_(den).neg_()  # (B, H, n, 1)
-        torch.autograd.backward(f, (g_num @ S.transpose(-1, -2)).addcmul_(g_den, z.unsqueeze(-2)))
+        d_f = g_num @ S.transpose(-1, -2)  # (B, H, n, F)
+        g_den = torch.linalg.vecdot(fd, d_f).unsqueeze(-1).div_(den).neg_()  # (B, H, n, 1)
+        torch.autograd.backward(f, d_f.addcmul_(g_den, z.unsqueeze(-2)))
         return q_b.grad, fd.transpose(-1, -2) @ g_num, (fd * g_den).sum(2)
 
 
