@@ -243,7 +243,7 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, grad_o, grad_lse):
         q_flat, k_flat, v_flat, o, lse = ctx.saved_tensors
         plan = ctx.plan
-        if ctx.fused and grad_lse is None and grad_o is not None:  # the fused kernel's backward
+        if ctx.fused and grad_lse is None and grad_o is not None:  # the fused forward's own backward
             return (*plan.fused_backward(grad_o, q_flat, k_flat, v_flat, o, lse), None)
         if ctx.fused:  # the kernel scaled q itself (plan.fused_scale); the groups take it scaled
             q_flat = q_flat * plan.fused_scale
@@ -301,7 +301,8 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     (a band, the same in every block). Cost O(L·(block + left + right)·D), no L×L
     tensor: query blocks go in groups through :func:`attend_blocks` (in cache;
     recomputed in the backward); on the CPU without padding keys the forward is torch's
-    fused SDPA kernel over all blocks (:meth:`_Band.fused_forward`). Returns
+    fused SDPA kernel over all blocks (:meth:`_Band.fused_forward`), and the backward
+    recomputes over the same window views (:meth:`_Band.fused_backward`). Returns
     ``(o (B, H, L, Dv), lse (B, H, L))``.
     """
     B, H, L, D = q.shape
