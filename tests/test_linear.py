@@ -82,6 +82,7 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
     from attnzoo.mechanisms import linear
 
     monkeypatch.setattr(linear, "STREAM_BLOCK", 12)  # B·H = 6: two positions a block
+    monkeypatch.setattr(linear, "CAUSAL_POSITIONS", 6)  # causal: one chunk a block
     check_gradcheck(name, Lq=5, Lk=7, masked=True)
     for seed in range(3):
         check_against_reference(name, Lq=9, Lk=11, masked=True, seed=seed)
@@ -90,7 +91,7 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
             check_against_reference(name, Lq=Lq, Lk=Lk, causal=True, masked=True, options={"chunk": 2})
         check_gradcheck(name, Lq=6, Lk=7, causal=True, masked=True, options={"chunk": 2})
         # blocks of three chunks: each chunk reads kv0 plus the chunks before it in its block
-        monkeypatch.setattr(linear, "causal_rows", lambda B, H, chunk, width: 3 * chunk)
+        monkeypatch.setattr(linear, "causal_rows", lambda B, H, chunk: 3 * chunk)
         for Lq, Lk in [(13, 15), (15, 13)]:
             check_against_reference(name, Lq=Lq, Lk=Lk, causal=True, masked=True, options={"chunk": 2})
         check_gradcheck(name, Lq=8, Lk=9, causal=True, masked=True, options={"chunk": 2})
