@@ -161,7 +161,7 @@ class _ChunkTerms:
         self.den = torch.linalg.vecdot(pq, self.z_before.unsqueeze(-2)).add_(self.scores.sum(-1)).add_(eps)
 
 
-STREAM_BLOCK = 2**18  # feature values (all batches and heads) computed at a time: 1 MiB in float32
+STREAM_BLOCK = 2**18  # non-causal: feature values (all batches and heads) at a time, 1 MiB in float32
 
 
 def stream_rows(t: torch.Tensor, width: int) -> int:
