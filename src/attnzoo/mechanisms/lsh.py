@@ -175,8 +175,8 @@ class _Round:
     strided views and its scores one batched matmul.
 
     Which keys a query may attend is added to the scores as −OUT_OF_REACH × (the number of
-    reasons it may not), a sum of float terms per (query slot, window slot), each 0 or ≥ 1
-    exactly (integers and halves): float passes are vectorised on the CPU, bool compares not.
+    reasons it may not), a sum of float terms per (query slot, window slot), 0 or ≥ 1 in all,
+    exactly (multiples of 1/4): float passes are vectorised on the CPU, bool compares not.
     """
 
     def __init__(self, r, q_buckets, k_buckets, q_order, k_order, codes, key_mask, causal, opts, dtype,
@@ -199,7 +199,7 @@ class _Round:
         self.groups = [(a, min(a + group, n_chunks)) for a in range(1, n_chunks, group)]
         self.codes = [] if codes is None else _earlier_codes(codes, r, self.pos, k_order[:, :, r], m, nc,
                                                              dtype)
-        self.K = 1.5 * len(self.codes)  # each earlier round's term below takes up to 1.5 off
+        self.K = 2.25 * len(self.codes)  # each earlier round's term (:meth:`reasons`) takes up to 9/4 off
         self.center = self.k_pos = self.window_bad = None
         if not opts.attend_across_buckets:  # the query's bucket (up to itself if causal): a run of slots
             lo, hi = (t.gather(2, self.pos) for t in _bucket_slots(
@@ -248,33 +248,40 @@ class _Round:
 
     def scores(self, q_c, k_w, a, b, scratch):
         """(n, m, 2m) scores of query chunks a..b−1 against their windows, penalised, in
-        ``scratch.scores``."""
+        ``scratch.scores``: the product is added onto −OUT_OF_REACH × the reasons by one
+        ``baddbmm_`` (its beta), so the penalty costs no pass of its own."""
         n = b - a
-        scores = torch.bmm(q_c, k_w.transpose(1, 2), out=scratch.scores[:n])
-        return self.penalise_(scores, a, b, scratch.reasons[:n], scratch.met[:n])
-
-    def penalise_(self, scores, a, b, reasons_out, met_out):
-        """scores (n, m, 2m), in place: −OUT_OF_REACH × the number of reasons a key is out of
-        reach (its bucket's run, causality, the earlier rounds that met it, its mask or
-        padding), and the self penalty. The terms are built in the two (n, m, 2m) buffers."""
-        rows, window = (lambda t: self.rows(t, a, b)), (lambda t: self.window(t, a, b))
-        reasons = None  # ≥ K, = K + (how far out of the bucket's run, or in the future)
-        if self.center is not None:
-            reasons = torch.sub(self.w, rows(self.center), out=reasons_out).abs_().sub_(rows(self.half))
-            reasons.clamp_(min=self.K)
-        elif self.k_pos is not None:
-            reasons = torch.sub(window(self.k_pos), rows(self.q_pos), out=reasons_out).clamp_(min=self.K)
-        for q_code, k_code in self.codes:
-            met = torch.sub(rows(q_code), window(k_code), out=reasons_out if reasons is None else met_out)
-            met.abs_().clamp_(max=1.5)  # 0.5 where they met in that round, else 1.5
-            reasons = met.neg_().add_(self.K) if reasons is None else reasons.sub_(met)
-        if reasons is not None:
-            scores.add_(reasons, alpha=-OUT_OF_REACH)
+        reasons = self.reasons(a, b, scratch.scores[:n], scratch.met[:n])
+        k_t = k_w.transpose(1, 2)
+        if reasons is None:
+            scores = torch.bmm(q_c, k_t, out=scratch.scores[:n])
+        else:
+            scores = reasons.baddbmm_(q_c, k_t, beta=-OUT_OF_REACH)
         if self.window_bad is not None:
             scores.add_(self.window_bad[a - 1:b - 1].unsqueeze(1), alpha=-OUT_OF_REACH)
         if self.shared:  # a query's own key is slot m + i of its window (one order)
             scores[..., self.m:].diagonal(dim1=-2, dim2=-1).sub_(SELF_PENALTY * LOG2E)  # (base 2)
         return scores
+
+    def reasons(self, a, b, out, met_out):
+        """(n, m, 2m) in ``out``, or None (every key in reach): the number of reasons a key is
+        out of reach (its bucket's run, causality, the earlier rounds that met it), 0 where
+        it is in reach and >= 1 where not. Built as K + (how far out of the bucket's run, or
+        in the future), less one term per earlier round, d² with d = q_code − 1/2 − k_code
+        clipped to ±1.5: 1/4 where they met in that round, else 9/4 (K = 9/4 per round)."""
+        rows, window = (lambda t: self.rows(t, a, b)), (lambda t: self.window(t, a, b))
+        reasons = None
+        if self.center is not None:
+            reasons = torch.sub(self.w, rows(self.center), out=out).abs_().sub_(rows(self.half))
+            reasons.clamp_(min=self.K)
+        elif self.k_pos is not None:
+            reasons = torch.sub(window(self.k_pos), rows(self.q_pos), out=out).clamp_(min=self.K)
+        elif self.codes:
+            reasons = out.fill_(self.K)
+        for q_code, k_code in self.codes:
+            d = torch.sub(rows(q_code), window(k_code), out=met_out).clamp_(-1.5, 1.5)
+            reasons.addcmul_(d, d, value=-1.0)
+        return reasons
 
 
 def _slotted(by_slot, m, nc, fill):
@@ -323,7 +330,7 @@ class _Rounds(torch.autograd.Function):
         acc = q_flat.new_empty(B * H * L + 1, v_flat.shape[-1])  # by row, and a spare row for padding
         acc_lse = q_flat.new_empty(B * H * L + 1)  # its log-sum-exp, base 2
         flats = q_flat, k_flat, v_flat
-        scratch = _Scratch(plans[0], flats, ("scores", "reasons", "met"))
+        scratch = _Scratch(plans[0], flats, ("scores", "met"))
         scratch.o = v_flat.new_empty(scratch.rows[0].shape[0], v_flat.shape[-1])  # a group's output
         for r, plan in enumerate(plans):
             _round_forward(plan, flats, acc, acc_lse, scratch, first=r == 0)
@@ -344,7 +351,7 @@ class _Rounds(torch.autograd.Function):
         row = -torch.linalg.vecdot(flat_grad, out)  # by row
         total = torch.where(torch.isfinite(lse), lse, float("inf"))  # (base 2) no key: no weight
         flats = q_flat, k_flat, v_flat, flat_grad
-        scratch = _Scratch(ctx.plans[0], flats, ("scores", "reasons", "met", "ds"))
+        scratch = _Scratch(ctx.plans[0], flats, ("scores", "met", "ds"))
         scratch.dq, scratch.dk, scratch.dv = (torch.empty_like(buf) for buf in scratch.rows[:3])  # a group's
         for plan in ctx.plans:
             shift = torch.where(plan.q_real, total[plan.q_rows], float("inf"))  # (S,): padding gets none
