@@ -38,7 +38,7 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     _no_scale("efficient", scale)
     c = _column_max(k, key_mask)  # one pass over K, so the key blocks need no rescaling
     return stream_kernel(q, k, v, lambda k_blk, mask: (exp_(torch.sub(k_blk, c)), None), _RowSoftmax(),
-                         key_mask=key_mask, width=k.shape[-1])
+                         key_mask=key_mask)
 
 
 class _RowSoftmax:

@@ -161,12 +161,16 @@ class _ChunkTerms:
         self.den = torch.linalg.vecdot(pq, self.z_before.unsqueeze(-2)).add_(self.scores.sum(-1)).add_(eps)
 
 
-STREAM_BLOCK = 2**18  # non-causal: feature values (all batches and heads) at a time, 1 MiB in float32
+STREAM_POSITIONS = 4096  # non-causal: positions of a block over all batch entries and heads
 
 
-def stream_rows(t: torch.Tensor, width: int) -> int:
-    """Positions per block so a block's B·H·rows·width values stay in cache."""
-    return max(1, STREAM_BLOCK // (t.shape[0] * t.shape[1] * width))
+def stream_rows(t: torch.Tensor) -> int:
+    """Positions per block of the non-causal stream: about STREAM_POSITIONS over all batch
+    entries and heads of ``t`` (B, H, L, ·), whatever the feature width. As in the causal
+    engine (:func:`causal_rows`), the best block was measured to follow the positions:
+    performer's 256 features ran fastest at the 512 rows linear's 64 do (B·H = 8), the
+    per-block overhead of the maps and their backward outweighing the cache."""
+    return max(1, STREAM_POSITIONS // (t.shape[0] * t.shape[1]))
 
 
 CAUSAL_POSITIONS = 2048  # positions of a causal block over all batch entries and heads
@@ -180,13 +184,14 @@ def causal_rows(B: int, H: int, chunk: int) -> int:
     return chunk * max(1, CAUSAL_POSITIONS // (B * H) // chunk)
 
 
-def _backward_rows(t: torch.Tensor, width: int) -> int:
+def _backward_rows(t: torch.Tensor) -> int:
     """Positions per block in a backward: half the forward's (a block's features have their
     gradients beside them), unless that goes below 128 (small matmuls run slowly)."""
-    return max(min(128, stream_rows(t, width)), stream_rows(t, 2 * width))
+    rows = stream_rows(t)
+    return max(min(128, rows), rows // 2)
 
 
-def key_state(k, v, phi_k, key_mask, width):
+def key_state(k, v, phi_k, key_mask):
     """S = Σ_j φ(k_j) v_jᵀ (B, H, F, Dv) and z = Σ_j φ(k_j) (B, H, F), streamed over key blocks.
 
     ``phi_k(k_block, mask_block)`` gives ``(features (B, H, n, F), c)``: the block's true
@@ -196,7 +201,7 @@ def key_state(k, v, phi_k, key_mask, width):
     (``key_mask`` False) contribute nothing. Returns ``(S, z, c_max)``: block b's features
     enter S as features·exp(c_b − c_max), a non-finite c_max (no real key) counting as 0.
     """
-    rows = stream_rows(k, width)
+    rows = stream_rows(k)
     S = z = c = None
     for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
         feat, c_blk = _key_features(phi_k, k_blk, mask)  # (B, H, n, F)
@@ -225,7 +230,7 @@ def _key_blocks(k, v, key_mask, rows):
     return zip(k.split(rows, 2), v.split(rows, 2), masks, strict=True)
 
 
-def stream_kernel(q, k, v, phi_k, finish, *, key_mask, width, closes_over=()):
+def stream_kernel(q, k, v, phi_k, finish, *, key_mask, closes_over=()):
     """Non-causal kernel attention streamed: S, z, _ = :func:`key_state`, then ``finish(q_block,
     S, z)`` (B, H, n, Dv) for each block of queries.
 
@@ -242,14 +247,14 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, width, closes_over=()):
     that backward: when one requires grad, plain autograd runs instead.
     """
     if needs_grad(q, k, v) and not any(t.requires_grad for t in closes_over):
-        return _StreamedKernel.apply(q, k, v, key_mask, phi_k, finish, width)
-    return _stream_forward(q, k, v, key_mask, phi_k, finish, width)[0]
+        return _StreamedKernel.apply(q, k, v, key_mask, phi_k, finish)
+    return _stream_forward(q, k, v, key_mask, phi_k, finish)[0]
 
 
-def _stream_forward(q, k, v, key_mask, phi_k, finish, width):
+def _stream_forward(q, k, v, key_mask, phi_k, finish):
     """(out, S, z, c_max): the key state, then ``finish`` over the query blocks."""
-    S, z, c = key_state(k, v, phi_k, key_mask, width)
-    return query_blocks(q, lambda q_blk: finish(q_blk, S, z), width), S, z, c
+    S, z, c = key_state(k, v, phi_k, key_mask)
+    return query_blocks(q, lambda q_blk: finish(q_blk, S, z)), S, z, c
 
 
 def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -262,24 +267,24 @@ class _StreamedKernel(torch.autograd.Function):
     """stream_kernel with a backward that recomputes the features block by block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, phi_k, finish, width):
-        out, S, z, c = _stream_forward(q, k, v, key_mask, phi_k, finish, width)
+    def forward(ctx, q, k, v, key_mask, phi_k, finish):
+        out, S, z, c = _stream_forward(q, k, v, key_mask, phi_k, finish)
         ctx.save_for_backward(q, k, v, key_mask, S, z, c)
-        ctx.maps = phi_k, finish, width
+        ctx.maps = phi_k, finish
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, key_mask, S, z, c = ctx.saved_tensors
-        phi_k, finish, width = ctx.maps
+        phi_k, finish = ctx.maps
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         safe_c = None if c is None else finite_or_zero(c)
         with torch.enable_grad():
-            dS, dz = _query_grads(q, grad, S, z, finish, dq, _backward_rows(q, width))
+            dS, dz = _query_grads(q, grad, S, z, finish, dq, _backward_rows(q))
             dz = dz.unsqueeze(2)  # (B, H, 1, F)
             if c is not None:  # d c_max: (B, H, 1, F)
                 d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
-            rows, start = _backward_rows(k, width), 0
+            rows, start = _backward_rows(k), 0
             for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
                 k_b = k_blk.detach().requires_grad_()
                 n = slice(start, start + k_b.shape[2])
@@ -302,7 +307,7 @@ class _StreamedKernel(torch.autograd.Function):
                         outputs, grads = (feat, c_blk), (d_feat, d_c)
                 torch.autograd.backward(outputs, grads)
                 dk[:, :, n] = k_b.grad
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _query_grads(q, grad, S, z, finish, dq, rows):
@@ -330,9 +335,9 @@ def plain_key_map(phi):
     return lambda k_blk, mask: (phi(k_blk), None)
 
 
-def query_blocks(q, fn, width):
+def query_blocks(q, fn):
     """``fn(q_block)`` over blocks of queries, joined along the sequence by :func:`join_blocks`."""
-    return join_blocks((fn(q_blk) for q_blk in q.split(stream_rows(q, width), 2)), q.shape[2])
+    return join_blocks((fn(q_blk) for q_blk in q.split(stream_rows(q), 2)), q.shape[2])
 
 
 def join_blocks(blocks, total):
@@ -396,8 +401,8 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> ((B, H, Lq, Dv), state or None).
     ``phi_q(q_block)`` gives features (B, H, n, F); ``phi_k(k_block, mask_block)`` gives
     ``(features, c)`` as in :func:`key_state` (causal maps return c = None). Features only
-    exist for one block of positions at a time (non-causal: ``width`` = F sets the block;
-    causal: :func:`causal_rows`), so no (L, F) tensor is built. Padded keys (key_mask False)
+    exist for one block of positions at a time (:func:`stream_rows`, causal: :func:`causal_rows`;
+    ``width`` = F), so no (L, F) tensor is built. Padded keys (key_mask False)
     contribute nothing; a query that sees no key gets 0. Non-causal: S = Σ φ(k)vᵀ and
     z = Σ φ(k) streamed, then each query block.
     Causal: blocks in order, each by chunked prefix sums from the state before it (training:
@@ -407,7 +412,7 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     ``closes_over``: tensors the maps use (see :func:`stream_kernel`).
     """
     if not causal:
-        return stream_kernel(q, k, v, phi_k, Normalised(phi_q, eps), key_mask=key_mask, width=width,
+        return stream_kernel(q, k, v, phi_k, Normalised(phi_q, eps), key_mask=key_mask,
                              closes_over=closes_over), None
     Lq, Lk = q.shape[2], k.shape[2]
     off = causal_offset(Lq, Lk)
@@ -416,7 +421,7 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     (q_blind, q_al), (k_before, k_al), (v_before, v_al) = (
         _split_at(q, blind, 2), _split_at(k, start, 2), _split_at(v, start, 2))
     m_before, m_al = (None, None) if key_mask is None else _split_at(key_mask, start, 1)
-    S, z, _ = key_state(k_before, v_before, phi_k, m_before, width)  # keys all see (causal maps: c None)
+    S, z, _ = key_state(k_before, v_before, phi_k, m_before)  # keys all see (causal maps: c None)
     if kv0 is not None:
         S, z = (kv0[..., :-1], kv0[..., -1]) if S is None else (kv0[..., :-1] + S, kv0[..., -1] + z)
     if S is None:
