@@ -97,6 +97,25 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
         check_gradcheck(name, Lq=8, Lk=9, causal=True, masked=True, options={"chunk": 2})
 
 
+def test_streamed_backward_recomputes_the_forwards_key_blocks(monkeypatch):
+    """The backward finds the key block that holds performer's c_max by comparing recomputed
+    logits with the forward's, bit for bit: a matmul of another shape may round them
+    otherwise. So its key blocks must be the forward's (300 rows here, where the query
+    blocks of the backward have 150), and the gradients must match the reference's."""
+    from attnzoo.mechanisms import linear
+
+    monkeypatch.setattr(linear, "STREAM_POSITIONS", 900)  # B·H = 3: 300 positions a block
+    seen, key_blocks = [], linear._key_blocks
+
+    def recording(k, v, key_mask, rows):
+        seen.append(rows)
+        return key_blocks(k, v, key_mask, rows)
+
+    monkeypatch.setattr(linear, "_key_blocks", recording)
+    check_against_reference("performer", B=1, H=3, Lq=650, Lk=700, D=8)
+    assert seen == [300, 300]  # forward, backward
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_features_that_require_grad_get_it(causal):
     """Random features passed as a trainable tensor: the streamed backward steps aside for

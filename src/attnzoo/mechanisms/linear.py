@@ -284,7 +284,8 @@ class _StreamedKernel(torch.autograd.Function):
             dz = dz.unsqueeze(2)  # (B, H, 1, F)
             if c is not None:  # d c_max: (B, H, 1, F)
                 d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
-            rows, start = _backward_rows(k), 0
+            rows, start = stream_rows(k), 0  # the forward's key blocks: c_blk == c below needs
+            # their logits bit for bit, and a matmul of another shape may round them otherwise
             for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
                 k_b = k_blk.detach().requires_grad_()
                 n = slice(start, start + k_b.shape[2])
