@@ -185,8 +185,9 @@ def causal_rows(B: int, H: int, chunk: int) -> int:
 
 
 def _backward_rows(t: torch.Tensor) -> int:
-    """Positions per block in a backward: half the forward's (a block's features have their
-    gradients beside them), unless that goes below 128 (small matmuls run slowly)."""
+    """Query positions per block in the streamed backward: half the forward's (a block's
+    features have their gradients beside them), unless that goes below 128 (small matmuls
+    run slowly). (Its key blocks are the forward's: see :class:`_StreamedKernel`.)"""
     rows = stream_rows(t)
     return max(min(128, rows), rows // 2)
 

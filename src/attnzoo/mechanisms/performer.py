@@ -101,26 +101,29 @@ def favor_exp(logits: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
 class _FavorMap(torch.autograd.Function):
     """``(φ(x), c)`` as :func:`favor_features` computes them (the fast path's maps), with the
     backward written out: autograd through the map's dozen elementwise steps made the
-    streamed backward about five times its forward.
+    streamed backward about five times its forward. With ``stabilise="row"`` the logits
+    leave out −‖x'‖²/2, which the row's max cancels (the same φ, two passes fewer; c is
+    then the max of W x').
 
     x (B, H, n, D); W (m, D) and Wt = Wᵀ (D, m), both contiguous; ``stabilise`` as in
     :func:`favor_features` ("all": the max over the block's real keys, ``key_mask`` (B, n)
     or None).
     Backward, with l the logits: dl = dφ ⊙ φ, plus dc = d c_out − Σ dl (over c's span) at
-    the max; dx' = dl W − x' Σ_f dl; dx = √s dx'; dWᵀ = Σ x'ᵀ dl. As autograd's amax, dc is
-    split among the positions of the max, found as the largest feature (a logit within
-    rounding of the max shares in it too: a subgradient of the max, and dc ≈ 0 anyway, c
-    cancelling in the normalised output but for eps).
+    the max; dx' = dl W − x' Σ_f dl (no second term for "row"); dx = √s dx'; dWᵀ = Σ x'ᵀ dl.
+    As autograd's amax, dc is split among the positions of the max, found as the largest
+    feature (a logit within rounding of the max shares in it too: a subgradient of the max,
+    and dc ≈ 0 anyway, c cancelling in the normalised output but for eps).
     """
 
     @staticmethod
     def forward(ctx, x, W, Wt, root_s, stabilise, key_mask):
         xs = x * root_s  # (B, H, n, D)
-        logits = _logits(xs, Wt)  # (B, H, n, m)
+        row = stabilise == "row"
+        logits = xs @ Wt if row else _logits(xs, Wt)  # (B, H, n, m)
         c = _constant(logits, stabilise, key_mask)
         feat = favor_exp(logits, c)  # (logits are fresh: exp in place)
         ctx.save_for_backward(xs, W, feat, c)
-        ctx.root_s, ctx.key_mask, ctx.dims = root_s, key_mask, (-1,) if stabilise == "row" else (-1, -2)
+        ctx.root_s, ctx.key_mask, ctx.row, ctx.dims = root_s, key_mask, row, (-1,) if row else (-1, -2)
         return feat, c
 
     @staticmethod
@@ -135,7 +138,9 @@ class _FavorMap(torch.autograd.Function):
             # float mask, as bool ones (==, addcmul_ of bool) run about four times slower
             share = dc.div_(top.sum(ctx.dims, keepdim=True)).masked_fill_(~torch.isfinite(c), 0.0)
             dl.addcmul_(top, share)  # (no real key: c is no logit, and gets nothing)
-        dxs = torch.addcmul(dl @ W, xs, dl.sum(-1, keepdim=True), value=-1)  # (B, H, n, D)
+        dxs = dl @ W  # (B, H, n, D)
+        if not ctx.row:
+            dxs.addcmul_(xs, dl.sum(-1, keepdim=True), value=-1)
         dWt = xs.flatten(0, 2).T @ dl.flatten(0, 2) if ctx.needs_input_grad[2] else None  # (D, m)
         return dxs * ctx.root_s, None, dWt, None, None, None
 
