@@ -402,9 +402,9 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
 
     q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> ((B, H, Lq, Dv), state or None).
     ``phi_q(q_block)`` gives features (B, H, n, F); ``phi_k(k_block, mask_block)`` gives
-    ``(features, c)`` as in :func:`key_state` (causal maps return c = None). Features only
-    exist for one block of positions at a time (:func:`stream_rows`, causal: :func:`causal_rows`;
-    ``width`` = F), so no (L, F) tensor is built. Padded keys (key_mask False)
+    ``(features, c)`` as in :func:`key_state` (causal maps return c = None); ``width`` is F.
+    Features only exist for one block of positions at a time (:func:`stream_rows`; causal:
+    :func:`causal_rows`), so no (L, F) tensor is built. Padded keys (key_mask False)
     contribute nothing; a query that sees no key gets 0. Non-causal: S = Σ φ(k)vᵀ and
     z = Σ φ(k) streamed, then each query block.
     Causal: blocks in order, each by chunked prefix sums from the state before it (training:
