@@ -187,7 +187,8 @@ def causal_rows(B: int, H: int, chunk: int) -> int:
 def _backward_rows(t: torch.Tensor) -> int:
     """Query positions per block in the streamed backward: half the forward's (a block's
     features have their gradients beside them), unless that goes below 128 (small matmuls
-    run slowly). (Its key blocks are the forward's: see :class:`_StreamedKernel`.)"""
+    run slowly); its key blocks too, unless the key map has a constant c (then they are the
+    forward's: see :class:`_StreamedKernel`)."""
     rows = stream_rows(t)
     return max(min(128, rows), rows // 2)
 
@@ -285,8 +286,10 @@ class _StreamedKernel(torch.autograd.Function):
             dz = dz.unsqueeze(2)  # (B, H, 1, F)
             if c is not None:  # d c_max: (B, H, 1, F)
                 d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
-            rows, start = stream_rows(k), 0  # the forward's key blocks: c_blk == c below needs
-            # their logits bit for bit, and a matmul of another shape may round them otherwise
+            # with a constant c, the forward's key blocks: c_blk == c below needs their logits bit
+            # for bit, and a matmul of another shape may round them otherwise; without, half-size
+            # ones (a block's features have their gradients beside them)
+            rows, start = _backward_rows(k) if c is None else stream_rows(k), 0
             for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
                 k_b = k_blk.detach().requires_grad_()
                 n = slice(start, start + k_b.shape[2])
