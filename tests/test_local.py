@@ -24,7 +24,7 @@ def test_local_in_groups_of_query_blocks(monkeypatch):
                                 options={"window": 5, "block": 3})
 
 
-@pytest.mark.parametrize("scores_per_chunk", [2**20, 20])  # backward: all blocks at once, one by one
+@pytest.mark.parametrize("scores_per_chunk", [2**20, 20])  # backward: all heads at once, one by one
 def test_fused_band_equals_the_groups(monkeypatch, scores_per_chunk):
     """window_partial's fused SDPA forward and backward (no padding keys, Dv = D) against the
     reference, in float64: sequence shorter than a window, ragged last block, bands one-sided

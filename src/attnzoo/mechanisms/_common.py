@@ -378,12 +378,13 @@ class _Band:
         """(dq, dk, dv) of :meth:`fused_forward` (lse unused), recomputing each block's weights
         from the kernel's lse, as flash attention's backward does, over the same window views.
 
-        Per head and group of query blocks (about SCORES_PER_CHUNK / 2 weights, in cache): with
-        c = scale·log2 e, P = 2^(c·Q Kᵀ + mask·log2 e − lse·log2 e) by one ``baddbmm_`` into the
-        mask less lse, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = scale·dS K, and the windows'
-        dK = scale·dSᵀ Q and dV = Pᵀ dO are added back onto the keys by :func:`_fold_windows_`.
-        (torch's fused backward took ~25 % longer here, mostly zero-filling and summing
-        per-window gradients.)
+        Query block by query block, all heads at once (about SCORES_PER_CHUNK / 2 weights a
+        step, in cache): with c = scale·log2 e, P = 2^(c·Q Kᵀ + mask·log2 e − lse·log2 e) by one
+        ``baddbmm_`` into the mask less lse, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = scale·dS K,
+        and the window's dK = scale·dSᵀ Q and dV = Pᵀ dO are added onto its keys, one add each
+        for all heads (one block's window does not overlap itself). (torch's fused backward
+        took ~25 % longer here, mostly zero-filling and summing per-window gradients; a loop
+        over heads, with the windows of several blocks folded together, ~5 % longer.)
         """
         qb, kb, vb = self._blocked(q_flat, k_flat, v_flat)
         BH, nb, block, _ = qb.shape
@@ -392,21 +393,21 @@ class _Band:
         lse2 = (lse.reshape(BH, nb, block) * LOG2E).unsqueeze(-1)  # (B·H, nb, block, 1)
         dq = torch.empty_like(q_flat).view(qb.shape)
         dk, dv = (torch.zeros_like(t).view(BH, -1, t.shape[-1]) for t in (k_flat, v_flat))  # (B·H, Nk, ·)
-        group = max(1, SCORES_PER_CHUNK // 2 // (block * self.span))  # query blocks at a time
+        heads = max(1, SCORES_PER_CHUNK // 2 // (block * self.span))  # heads at a time
+        scale = self.fused_scale
         for a, b, mask in self._runs(q_flat.dtype):
-            for s in range(a, b, group):
-                at = slice(s, min(b, s + group))
-                bias = mask[0] if mask.shape[1] == 1 else mask[0, s - a:at.stop - a]  # (1 | n, block, span)
-                for h in range(BH):
-                    q_g, k_g, v_g, g_g = qb[h, at], kb[h, at], vb[h, at], gb[h, at]  # (n, block | span, ·)
-                    p = torch.sub(bias, lse2[h, at]).baddbmm_(q_g, k_g.transpose(-1, -2),
-                                                             alpha=self.fused_scale * LOG2E).exp2_()
-                    ds = torch.bmm(g_g, v_g.transpose(-1, -2)).sub_(row[h, at]).mul_(p)  # (n, block, span)
-                    torch.bmm(ds, k_g, out=dq[h, at])
-                    _fold_windows_(dk[h], torch.bmm(ds.transpose(-1, -2), q_g), s, block)
-                    _fold_windows_(dv[h], torch.bmm(p.transpose(-1, -2), g_g), s, block)
-        dq.mul_(self.fused_scale)
-        dk.mul_(self.fused_scale)
+            for i in range(a, b):
+                bias = mask[0] if mask.shape[1] == 1 else mask[0, i - a]  # (1, block, span) | (block, span)
+                window = slice(i * block, i * block + self.span)  # block i's keys
+                for h in range(0, BH, heads):
+                    hs = slice(h, h + heads)
+                    q_i, k_i, v_i, g_i = qb[hs, i], kb[hs, i], vb[hs, i], gb[hs, i]  # (h, block | span, ·)
+                    p = torch.sub(bias, lse2[hs, i]).baddbmm_(q_i, k_i.transpose(-1, -2),
+                                                              alpha=scale * LOG2E).exp2_()
+                    ds = torch.bmm(g_i, v_i.transpose(-1, -2)).sub_(row[hs, i]).mul_(p)  # (h, block, span)
+                    torch.mul(torch.bmm(ds, k_i), scale, out=dq[hs, i])
+                    dk[hs, window].add_(torch.bmm(ds.transpose(-1, -2), q_i), alpha=scale)
+                    dv[hs, window].add_(torch.bmm(p.transpose(-1, -2), g_i))
         return dq.view_as(q_flat), dk.view_as(k_flat), dv.view_as(v_flat)
 
     def _blocked(self, q_flat, k_flat, v_flat):
@@ -432,17 +433,6 @@ class _Band:
         j = i[:, :1] - self.left + torch.arange(self.span, device=self.device)  # (n, 1, span)
         allowed = self.allowed(i, j) & (j >= 0) & ((j < self.L) | (i >= self.L))  # (n, block, span)
         return minus_inf_where_not_(torch.zeros(allowed.shape, dtype=dtype, device=self.device), allowed)
-
-
-def _fold_windows_(dst: torch.Tensor, windows: torch.Tensor, first: int, block: int) -> None:
-    """Adds ``windows`` (n, span, X) into the rows of ``dst`` (N, X), contiguous, in place:
-    window i covers rows (first + i)·block onwards, so the windows overlap; one strided add per
-    block-sized piece of the span, whose n pieces (one a window) land on distinct rows."""
-    n, span, X = windows.shape
-    for j in range(0, span, block):
-        w = min(block, span - j)
-        dst.as_strided((n, w, X), (block * X, X, 1), dst.storage_offset() + (first * block + j) * X).add_(
-            windows[:, j:j + w])
 
 
 def window_flops(N: int, *, block: int, left: int, right: int, D: int, Dv: int) -> float:
