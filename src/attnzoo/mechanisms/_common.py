@@ -245,8 +245,8 @@ class _BlockAttention(torch.autograd.Function):
         plan = ctx.plan
         if ctx.fused and grad_lse is None and grad_o is not None:  # the fused forward's own backward
             return (*plan.fused_backward(grad_o, q_flat, k_flat, v_flat, o, lse), None)
-        if ctx.fused:  # the kernel scaled q itself (plan.fused_scale); the groups take it scaled
-            q_flat = q_flat * plan.fused_scale
+        if ctx.fused:  # the groups take q scaled (the kernel scaled it itself) and the keys padded
+            q_flat, k_flat, v_flat = plan.group_rows(q_flat, k_flat, v_flat)
         grad_o = torch.zeros_like(o) if grad_o is None else grad_o
         grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
         seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
@@ -262,7 +262,7 @@ class _BlockAttention(torch.autograd.Function):
             g_o, row_g, seen_g = (t[:, :, slots].unflatten(2, (n, block)) for t in (grad_o, row, seen))
             _add_group_grads(plan, g, q_rows, (q_flat, k_flat, v_flat), grads, g_o, row_g, seen_g)
         if ctx.fused:
-            grads[0].mul_(plan.fused_scale)
+            grads = plan.fused_grads(*grads)
         return *grads, None
 
 
@@ -300,9 +300,11 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     returns a bool tensor; it must depend on i and j only through i − j and i mod block
     (a band, the same in every block). Cost O(L·(block + left + right)·D), no L×L
     tensor: query blocks go in groups through :func:`attend_blocks` (in cache;
-    recomputed in the backward); on the CPU without padding keys the forward is torch's
-    fused SDPA kernel over all blocks (:meth:`_Band.fused_forward`), and the backward
-    recomputes over the same window views (:meth:`_Band.fused_backward`). Returns
+    recomputed in the backward), over keys padded with ``left`` rows before and ``right``
+    after; on the CPU without padding keys the forward is torch's fused SDPA kernel over all
+    blocks (:meth:`_Band.fused_forward`) on the keys as they are (no padded copy: at
+    L = 16384 the copies and their gradients' cost ~5 % of local's training step), and the
+    backward recomputes over the same windows (:meth:`_Band.fused_backward`). Returns
     ``(o (B, H, L, Dv), lse (B, H, L))``.
     """
     B, H, L, D = q.shape
@@ -310,15 +312,16 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     band = _Band(B, H, L, block, left, right, allowed, key_valid, q.device, scale if fused else None)
     q_flat = pad_to(q if fused else scaled(q, scale), band.Lp).reshape(-1, D)  # the kernel scales itself;
     # the groups take q scaled once here, not each score
-    k_flat = pad_to(k, band.Nk, front=left).reshape(B * H * band.Nk, -1)
-    v_flat = pad_to(v, band.Nk, front=left).reshape(B * H * band.Nk, -1)
+    k_flat, v_flat = ((t if fused else pad_to(t, band.Nk, front=left)).reshape(-1, t.shape[-1])
+                      for t in (k, v))  # fused: the keys as they are
     o, lse = attend_blocks(q_flat, k_flat, v_flat, band)
     return o[:, :, :L], lse[:, :, :L]
 
 
 class _Band:
     """The plan of :func:`window_partial` for :func:`attend_blocks`: padded rows, groups of
-    query blocks, and which window keys each query may attend."""
+    query blocks, and which window keys each query may attend. Fused (``fused_scale`` set),
+    the key rows are the sequence's own, B·H·L of them; for the groups, padded (Nk a head)."""
 
     def __init__(self, B, H, L, block, left, right, allowed, key_valid, device, fused_scale):
         self.L, self.block, self.left, self.right = L, block, left, right
@@ -357,17 +360,19 @@ class _Band:
         unscaled q itself, or None (padding keys, half precision, Dv != D or not on the CPU:
         the groups of :func:`attend_blocks`, with q scaled).
 
-        The key windows are a strided view of the padded keys (no copy). The blocks whose
-        window lies inside the sequence share one relative band, so one small additive mask
-        serves them all; the few at either end get a mask each (SDPA's kernel takes only 4-D
-        masks of the query's dtype). Padded queries past L see the padded keys too, so that
-        no row is empty (the kernel gives such rows lse 0); their results are discarded.
+        The blocks whose window lies inside the sequence share one relative band, so one small
+        additive mask serves them all, and their key windows are a strided view of the keys (no
+        copy); the few at either end get a mask each (SDPA's kernel takes only 4-D masks of the
+        query's dtype) and windows of a zero-padded copy of their keys (:meth:`_windows`).
+        Padded queries past L see the padded keys too, so that no row is empty (the kernel
+        gives such rows lse 0); their results are discarded.
         """
         if self.fused_scale is None:
             return None
-        qb, kb, vb = self._blocked(q_flat, k_flat, v_flat)
+        qb = q_flat.view(-1, self.nb, self.block, q_flat.shape[-1])
         parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qb[:, a:b], kb[:, a:b], vb[:, a:b], attn_mask=mask, scale=self.fused_scale)[:2]
+            qb[:, a:b], self._windows(k_flat, a, b), self._windows(v_flat, a, b), attn_mask=mask,
+            scale=self.fused_scale)[:2]
             for a, b, mask in self._runs(q_flat.dtype)]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
         B, H = self.bh.shape[:2]
         o = torch.cat([o for o, _ in parts], 1).view(B, H, self.Lp, -1)
@@ -386,36 +391,67 @@ class _Band:
         took ~25 % longer here, mostly zero-filling and summing per-window gradients; a loop
         over heads, with the windows of several blocks folded together, ~5 % longer.)
         """
-        qb, kb, vb = self._blocked(q_flat, k_flat, v_flat)
+        qb = q_flat.view(-1, self.nb, self.block, q_flat.shape[-1])
         BH, nb, block, _ = qb.shape
         gb = grad_o.reshape(BH, nb, block, -1)
         row = torch.linalg.vecdot(gb, o.reshape(gb.shape)).unsqueeze(-1)  # (B·H, nb, block, 1)
         lse2 = (lse.reshape(BH, nb, block) * LOG2E).unsqueeze(-1)  # (B·H, nb, block, 1)
-        dq = torch.empty_like(q_flat).view(qb.shape)
-        dk, dv = (torch.zeros_like(t).view(BH, -1, t.shape[-1]) for t in (k_flat, v_flat))  # (B·H, Nk, ·)
+        dq = torch.empty_like(qb)
+        dk, dv = (torch.zeros_like(t).view(BH, self.L, -1) for t in (k_flat, v_flat))  # (B·H, L, ·)
         heads = max(1, SCORES_PER_CHUNK // 2 // (block * self.span))  # heads at a time
         scale = self.fused_scale
         for a, b, mask in self._runs(q_flat.dtype):
+            kb, vb = self._windows(k_flat, a, b), self._windows(v_flat, a, b)  # (B·H, b − a, span, ·)
+            start, rows, lo, hi = self._key_rows(a, b)
+            inside = (lo, hi) == (start, start + rows)
+            dk_run, dv_run = ((t[:, start:start + rows] if inside else t.new_zeros(BH, rows, t.shape[-1]))
+                              for t in (dk, dv))  # the run's keys' gradients
             for i in range(a, b):
                 bias = mask[0] if mask.shape[1] == 1 else mask[0, i - a]  # (1, block, span) | (block, span)
-                window = slice(i * block, i * block + self.span)  # block i's keys
+                window = slice((i - a) * block, (i - a) * block + self.span)  # block i's keys in the run's
                 for h in range(0, BH, heads):
                     hs = slice(h, h + heads)
-                    q_i, k_i, v_i, g_i = qb[hs, i], kb[hs, i], vb[hs, i], gb[hs, i]  # (h, block | span, ·)
+                    q_i, g_i = qb[hs, i], gb[hs, i]  # (h, block, ·)
+                    k_i, v_i = kb[hs, i - a], vb[hs, i - a]  # (h, span, ·)
                     p = torch.sub(bias, lse2[hs, i]).baddbmm_(q_i, k_i.transpose(-1, -2),
                                                               alpha=scale * LOG2E).exp2_()
                     ds = torch.bmm(g_i, v_i.transpose(-1, -2)).sub_(row[hs, i]).mul_(p)  # (h, block, span)
                     torch.mul(torch.bmm(ds, k_i), scale, out=dq[hs, i])
-                    dk[hs, window].add_(torch.bmm(ds.transpose(-1, -2), q_i), alpha=scale)
-                    dv[hs, window].add_(torch.bmm(p.transpose(-1, -2), g_i))
+                    dk_run[hs, window].add_(torch.bmm(ds.transpose(-1, -2), q_i), alpha=scale)
+                    dv_run[hs, window].add_(torch.bmm(p.transpose(-1, -2), g_i))
+            if not inside:  # the padded copy's gradients onto the keys they copied
+                dk[:, lo:hi] += dk_run[:, lo - start:hi - start]
+                dv[:, lo:hi] += dv_run[:, lo - start:hi - start]
         return dq.view_as(q_flat), dk.view_as(k_flat), dv.view_as(v_flat)
 
-    def _blocked(self, q_flat, k_flat, v_flat):
-        """q as (B·H, nb, block, D) and k, v as windows (B·H, nb, span, ·): views, no copy."""
-        qb = q_flat.view(-1, self.nb, self.block, q_flat.shape[-1])
-        kb, vb = (t.view(qb.shape[0], -1, t.shape[-1]).unfold(1, self.span, self.block).transpose(-1, -2)
-                  for t in (k_flat, v_flat))
-        return qb, kb, vb
+    def _key_rows(self, a, b):
+        """(start, rows, lo, hi): query blocks a..b−1 see ``rows`` keys from key ``start``
+        (< 0 or past L at either end), of which keys lo..hi−1 lie in the sequence."""
+        start, rows = a * self.block - self.left, (b - a - 1) * self.block + self.span
+        return start, rows, max(start, 0), min(start + rows, self.L)
+
+    def _windows(self, flat, a, b):
+        """The key windows (B·H, b − a, span, X) of query blocks a..b−1 over the unpadded rows
+        ``flat`` (B·H·L, X): a view where they lie inside the sequence, else windows of a copy
+        of their keys zero-padded at either end."""
+        t = flat.view(self.bh.numel(), self.L, -1)  # (B·H, L, X)
+        start, rows, lo, hi = self._key_rows(a, b)
+        piece = t[:, lo:hi]
+        if (lo, hi) != (start, start + rows):
+            piece = pad_to(piece, rows, dim=1, front=lo - start)
+        return piece.unfold(1, self.span, self.block).transpose(-1, -2)
+
+    def group_rows(self, q_flat, k_flat, v_flat):
+        """The fused layout's rows as the groups take them: q scaled, keys padded (Nk a head)."""
+        k_flat, v_flat = (pad_to(t.view(self.bh.numel(), self.L, -1), self.Nk, dim=1, front=self.left)
+                          .reshape(-1, t.shape[-1]) for t in (k_flat, v_flat))
+        return q_flat * self.fused_scale, k_flat, v_flat
+
+    def fused_grads(self, dq, dk, dv):
+        """The groups' gradients of :meth:`group_rows`'s rows, as the fused layout's."""
+        dk, dv = (t.view(self.bh.numel(), self.Nk, -1)[:, self.left:self.left + self.L]
+                  .reshape(-1, t.shape[-1]) for t in (dk, dv))
+        return dq.mul_(self.fused_scale), dk, dv
 
     def _runs(self, dtype):
         """[(first block, end block, 4-D additive mask)]: the blocks whose window starts before
