@@ -306,8 +306,10 @@ class _StreamedKernel(torch.autograd.Function):
                         dv[:, :, n] = (feat * a) @ dS
                         d_feat.mul_(a)
                         # e^(c_b − c_max) cancels the block's own c_b in feat; c_max is the c_b
-                        # of the block that holds the max
-                        d_c = _sum_to((d_feat * feat).sum(2, keepdim=True), c_blk)
+                        # of the block that holds the max. Summed in one reduction, as a map
+                        # sums its d logits: where the block holds no max, the map's d c_b
+                        # then comes out exactly 0 (performer's skips routing it to the max)
+                        d_c = _sum_to(d_feat * feat, c_blk)
                         d_c += _sum_to(torch.where(c_blk == c, d_c_max, 0.0), c_blk)
                         outputs, grads = (feat, c_blk), (d_feat, d_c)
                 torch.autograd.backward(outputs, grads)

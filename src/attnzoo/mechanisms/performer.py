@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import exp_, finite_or_zero, softmax_scale
+from attnzoo.mechanisms._common import LOG2E, exp_, finite_or_zero, softmax_scale
 from attnzoo.mechanisms.linear import (
     kernel_attention,
     kernel_flops,
@@ -105,6 +105,9 @@ class _FavorMap(torch.autograd.Function):
     leave out −‖x'‖²/2, which the row's max cancels (the same φ, two passes fewer; c is
     then the max of W x').
 
+    In float32 and float64 by :func:`_base2_features`: a max, a subtraction and an exp2 over
+    the (n, m) logits, where the steps of :func:`favor_features` take up to five passes.
+
     x (B, H, n, D); W (m, D) and Wt = Wᵀ (D, m), both contiguous; ``stabilise`` as in
     :func:`favor_features` ("all": the max over the block's real keys, ``key_mask`` (B, n)
     or None).
@@ -119,9 +122,12 @@ class _FavorMap(torch.autograd.Function):
     def forward(ctx, x, W, Wt, root_s, stabilise, key_mask):
         xs = x * root_s  # (B, H, n, D)
         row = stabilise == "row"
-        logits = xs @ Wt if row else _logits(xs, Wt)  # (B, H, n, m)
-        c = _constant(logits, stabilise, key_mask)
-        feat = favor_exp(logits, c)  # (logits are fresh: exp in place)
+        if x.dtype in (torch.float32, torch.float64):
+            feat, c = _base2_features(xs, Wt, stabilise, key_mask)
+        else:  # half precision: the plain steps, by exp itself (see exp_)
+            logits = xs @ Wt if row else _logits(xs, Wt)  # (B, H, n, m)
+            c = _constant(logits, stabilise, key_mask)
+            feat = favor_exp(logits, c)  # (logits are fresh: exp in place)
         ctx.save_for_backward(xs, W, feat, c)
         ctx.root_s, ctx.key_mask, ctx.row, ctx.dims = root_s, key_mask, row, (-1,) if row else (-1, -2)
         return feat, c
@@ -132,17 +138,45 @@ class _FavorMap(torch.autograd.Function):
         dl = d_feat * feat  # d logits through the exp, (B, H, n, m)
         if c is not None:  # c shifts every logit of its span, and is the largest of them
             dc = -dl.sum(ctx.dims, keepdim=True) if d_c is None else d_c - dl.sum(ctx.dims, keepdim=True)
-            real = feat if ctx.key_mask is None else feat.masked_fill(~ctx.key_mask[:, None, :, None], 0.0)
-            top = real.div(real.amax(ctx.dims, keepdim=True).clamp_(min=torch.finfo(real.dtype).tiny))
-            top.floor_()  # 1 where the max is (the largest real feature: features are > 0), else 0; a
-            # float mask, as bool ones (==, addcmul_ of bool) run about four times slower
-            share = dc.div_(top.sum(ctx.dims, keepdim=True)).masked_fill_(~torch.isfinite(c), 0.0)
-            dl.addcmul_(top, share)  # (no real key: c is no logit, and gets nothing)
+            if bool(dc.any()):  # (exactly 0 where c's shift cancels: the streamed backward's blocks
+                # that hold no max, five passes fewer)
+                real = feat if ctx.key_mask is None else feat.masked_fill(
+                    ~ctx.key_mask[:, None, :, None], 0.0)
+                top = real.div(real.amax(ctx.dims, keepdim=True).clamp_(min=torch.finfo(real.dtype).tiny))
+                top.floor_()  # 1 where the max is (the largest real feature: features are > 0), else 0;
+                # a float mask, as bool ones (==, addcmul_ of bool) run about four times slower
+                share = dc.div_(top.sum(ctx.dims, keepdim=True)).masked_fill_(~torch.isfinite(c), 0.0)
+                dl.addcmul_(top, share)  # (no real key: c is no logit, and gets nothing)
         dxs = dl @ W  # (B, H, n, D)
         if not ctx.row:
             dxs.addcmul_(xs, dl.sum(-1, keepdim=True), value=-1)
         dWt = xs.flatten(0, 2).T @ dl.flatten(0, 2) if ctx.needs_input_grad[2] else None  # (D, m)
         return dxs * ctx.root_s, None, dWt, None, None, None
+
+
+def _base2_features(xs, Wt, stabilise, key_mask):
+    """:class:`_FavorMap`'s ``(φ, c)`` in three passes over the (n, m) logits: made in base 2 by
+    the product itself, l₂ = x'·(Wᵀ log2 e) (the rounding of Wᵀ log2 e is of the order of the
+    product's own); c₂ (the row's max of l₂, or the block's of l₂ − ‖x'‖² log2 e / 2), that
+    norm and the 1/√m go into one (n, 1) shift, and φ = 2^(l₂ − shift). Returns c in natural
+    units, as :func:`favor_features`' (None for "none")."""
+    logits = xs @ (Wt * LOG2E)  # (B, H, n, m): W x' in base 2
+    shift = 0.5 * math.log2(Wt.shape[1])  # the 1/√m
+    c = None
+    if stabilise == "row":
+        c = logits.amax(-1, keepdim=True)  # (B, H, n, 1)
+        shift = c + shift
+    else:
+        norm = (xs * xs).sum(-1, keepdim=True).mul_(0.5 * LOG2E)  # (B, H, n, 1): ‖x'‖²/2 in base 2
+        shift = norm + shift
+        if stabilise == "all":  # the largest logit of the block's real keys: (B, H, 1, 1)
+            top = logits.amax(-1, keepdim=True).sub_(norm)  # (B, H, n, 1)
+            if key_mask is not None:
+                top.masked_fill_(~key_mask[:, None, :, None], -torch.inf)
+            c = top.amax(-2, keepdim=True)
+            shift = shift + finite_or_zero(c)
+    feat = logits.sub_(shift).exp2_()
+    return feat, None if c is None else c / LOG2E
 
 
 def _features(q, opts, generator):
