@@ -381,7 +381,8 @@ class _Band:
 
     def fused_backward(self, grad_o, q_flat, k_flat, v_flat, o, lse):
         """(dq, dk, dv) of :meth:`fused_forward` (lse unused), recomputing each block's weights
-        from the kernel's lse, as flash attention's backward does, over the same window views.
+        from the kernel's lse, as flash attention's backward does, over the same windows
+        (:meth:`_windows`; the gradients of a padded copy's are added back onto its keys).
 
         Query block by query block, all heads at once (about SCORES_PER_CHUNK / 2 weights a
         step, in cache): with c = scale·log2 e, P = 2^(c·Q Kᵀ + mask·log2 e − lse·log2 e) by one
