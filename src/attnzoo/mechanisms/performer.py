@@ -170,10 +170,7 @@ def _base2_features(xs, Wt, stabilise, key_mask):
         norm = (xs * xs).sum(-1, keepdim=True).mul_(0.5 * LOG2E)  # (B, H, n, 1): ‖x'‖²/2 in base 2
         shift = norm + shift
         if stabilise == "all":  # the largest logit of the block's real keys: (B, H, 1, 1)
-            top = logits.amax(-1, keepdim=True).sub_(norm)  # (B, H, n, 1)
-            if key_mask is not None:
-                top.masked_fill_(~key_mask[:, None, :, None], -torch.inf)
-            c = top.amax(-2, keepdim=True)
+            c = key_constant(logits.amax(-1, keepdim=True).sub_(norm), key_mask)  # (rows' max: (B, H, n, 1))
             shift = shift + finite_or_zero(c)
     feat = logits.sub_(shift).exp2_()
     return feat, None if c is None else c / LOG2E
