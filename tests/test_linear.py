@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms.linear import LinearOptions, elu_feature_map, linear_step
+from attnzoo.mechanisms.linear import LinearOptions, PointwiseMap, elu_feature_map, linear_step
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
 
@@ -47,6 +47,18 @@ def test_custom_feature_map():
                             options={"feature_map": lambda x: torch.relu(x) + 0.1})
     with pytest.raises(ValueError, match="feature_map"):
         LinearOptions(feature_map="relu")
+
+
+def test_pointwise_feature_map_goes_back_by_its_derivative():
+    """A PointwiseMap's backwards take dx = dφ ⊙ derivative(φ), with no graph: against gradcheck
+    and the reference, with padded keys. Their features are filled with 0, where this map's
+    derivative is not 0 (elu + 1's is), so their gradient must be masked too."""
+    tanh2 = PointwiseMap(lambda x: torch.tanh(x) + 2, lambda phi: 1 - (phi - 2) ** 2)
+    assert tanh2.derivative(torch.zeros(1)).item() == -3
+    for causal in (False, True):
+        options = {"feature_map": tanh2, "chunk": 3}
+        check_against_reference("linear", causal=causal, masked=True, options=options)
+        check_gradcheck("linear", causal=causal, masked=True, Lq=6, Lk=7, options=options)
 
 
 def test_step_by_step_equals_the_causal_call():

@@ -17,36 +17,49 @@ from attnzoo.mechanisms._common import exp_, finite_or_zero, needs_grad
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
-def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
-    """φ(x) = elu(x) + 1, the paper's positive feature map: e^x for x <= 0, 1 + x above.
+@dataclass(frozen=True)
+class PointwiseMap:
+    """An elementwise feature map φ whose derivative is a function of its value: φ'(x) =
+    ``derivative(φ(x))``. Under autograd it keeps only φ for its backward; the engines'
+    backwards recompute it without a graph and take dx = dφ ⊙ φ'(x) (:class:`_Recomputed`):
+    autograd through every block's map, and the graph the backward built around it, cost
+    linear ~15 % of its training step at L = 4096."""
 
-    Computed as e^min(x, 0) + max(x, 0) by :func:`exp_` (torch's float32 ``elu`` runs on its
-    slow ``expm1``; this is about 1.7× faster, and more exact for negative x, where
-    expm1(x) + 1 rounds away digits of e^x). Its derivative is min(φ, 1).
-    """
-    if needs_grad(x):
-        return _EluPlusOne.apply(x)
-    return _elu_plus_one(x)
+    fn: Callable[[torch.Tensor], torch.Tensor]  # x -> φ(x), plain
+    derivative: Callable[[torch.Tensor], torch.Tensor]  # φ(x) -> φ'(x)
 
-
-def _elu_plus_one(x):
-    pos = torch.relu(x)
-    return exp_(x - pos).add_(pos)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _Pointwise.apply(x, self) if needs_grad(x) else self.fn(x)
 
 
-class _EluPlusOne(torch.autograd.Function):
-    """φ = elu + 1 keeping only φ for its backward: dφ/dx = min(φ, 1) (e^x below 0, 1 above)."""
+class _Pointwise(torch.autograd.Function):
+    """A :class:`PointwiseMap` keeping only φ for its backward."""
 
     @staticmethod
-    def forward(ctx, x):
-        phi = _elu_plus_one(x)
+    def forward(ctx, x, phi_map):
+        phi = phi_map.fn(x)
         ctx.save_for_backward(phi)
+        ctx.derivative = phi_map.derivative
         return phi
 
     @staticmethod
     def backward(ctx, grad):
         (phi,) = ctx.saved_tensors
-        return grad * torch.clamp(phi, max=1.0)  # e^x below 0, 1 above
+        return grad * ctx.derivative(phi), None
+
+
+def _elu_plus_one(x):
+    """φ(x) = elu(x) + 1, the paper's positive feature map: e^x for x <= 0, 1 + x above.
+
+    Computed as e^min(x, 0) + max(x, 0) by :func:`exp_` (torch's float32 ``elu`` runs on its
+    slow ``expm1``; this is about 1.7× faster, and more exact for negative x, where
+    expm1(x) + 1 rounds away digits of e^x). Its derivative is min(φ, 1): e^x below 0, 1 above.
+    """
+    pos = torch.relu(x)
+    return exp_(x - pos).add_(pos)
+
+
+elu_feature_map = PointwiseMap(_elu_plus_one, lambda phi: phi.clamp(max=1.0))
 
 
 @dataclass(frozen=True)
@@ -243,8 +256,9 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, closes_over=()):
     Under autograd the backward recomputes each block's features instead of keeping them
     (training memory O(L·(D + Dv)), not O(L·F)): query blocks give dS, dz and dq by
     ``finish.grad``; key blocks then take d feature = (v dSᵀ + dz)·e^(c_b − c_max)
-    and dv = feature·dS, and autograd through ``phi_k`` for dk (the constants included: S and
-    z carry e^(−c_max), which matters where a normaliser's eps does not scale with them).
+    and dv = feature·dS, and dk back through ``phi_k`` (:class:`_Recomputed`; the constants
+    included: S and z carry e^(−c_max), which matters where a normaliser's eps does not
+    scale with them).
     Tensors the maps close over (``closes_over``, e.g. random features) get no gradient from
     that backward: when one requires grad, plain autograd runs instead.
     """
@@ -281,39 +295,35 @@ class _StreamedKernel(torch.autograd.Function):
         phi_k, finish = ctx.maps
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         safe_c = None if c is None else finite_or_zero(c)
-        with torch.enable_grad():
-            dS, dz = _query_grads(q, grad, S, z, finish, dq, _backward_rows(q))
-            dz = dz.unsqueeze(2)  # (B, H, 1, F)
-            if c is not None:  # d c_max: (B, H, 1, F)
-                d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
-            # with a constant c, the forward's key blocks: c_blk == c below needs their logits bit
-            # for bit, and a matmul of another shape may round them otherwise; without, half-size
-            # ones (a block's features have their gradients beside them)
-            rows, start = _backward_rows(k) if c is None else stream_rows(k), 0
-            for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
-                k_b = k_blk.detach().requires_grad_()
-                n = slice(start, start + k_b.shape[2])
-                start += k_b.shape[2]
-                feat, c_blk = _key_features(phi_k, k_b, mask)  # (B, H, n, F)
-                d_feat = torch.baddbmm(dz.flatten(0, 1), v_blk.flatten(0, 1),
-                                       dS.transpose(-1, -2).flatten(0, 1)).view(feat.shape)  # v dSᵀ + dz
-                with torch.no_grad():  # (feat and c_blk keep their graphs for the call below)
-                    if c is None:
-                        dv[:, :, n] = feat @ dS
-                        outputs, grads = feat, d_feat
-                    else:
-                        a = torch.exp(c_blk - safe_c)  # (B, H, 1, F or 1): the block's factor in S
-                        dv[:, :, n] = (feat * a) @ dS
-                        d_feat.mul_(a)
-                        # e^(c_b − c_max) cancels the block's own c_b in feat; c_max is the c_b
-                        # of the block that holds the max. Summed in one reduction, as a map
-                        # sums its d logits: where the block holds no max, the map's d c_b
-                        # then comes out exactly 0 (performer's skips routing it to the max)
-                        d_c = _sum_to(d_feat * feat, c_blk)
-                        d_c += _sum_to(torch.where(c_blk == c, d_c_max, 0.0), c_blk)
-                        outputs, grads = (feat, c_blk), (d_feat, d_c)
-                torch.autograd.backward(outputs, grads)
-                dk[:, :, n] = k_b.grad
+        dS, dz = _query_grads(q, grad, S, z, finish, dq, _backward_rows(q))
+        dz = dz.unsqueeze(2)  # (B, H, 1, F)
+        if c is not None:  # d c_max: (B, H, 1, F)
+            d_c_max = -((dS * S).sum(-1) + dz.squeeze(2) * z).unsqueeze(2)
+        # with a constant c, the forward's key blocks: c_blk == c below needs their logits bit
+        # for bit, and a matmul of another shape may round them otherwise; without, half-size
+        # ones (a block's features have their gradients beside them)
+        rows, start = _backward_rows(k) if c is None else stream_rows(k), 0
+        for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
+            n = slice(start, start + k_blk.shape[2])
+            start += k_blk.shape[2]
+            keys = _Recomputed(phi_k, k_blk, key=True, mask=mask)
+            feat, c_blk = keys.features, keys.c  # (B, H, n, F)
+            d_feat = torch.baddbmm(dz.flatten(0, 1), v_blk.flatten(0, 1),
+                                   dS.transpose(-1, -2).flatten(0, 1)).view(feat.shape)  # v dSᵀ + dz
+            d_c = None
+            if c is None:
+                dv[:, :, n] = feat @ dS
+            else:
+                a = torch.exp(c_blk - safe_c)  # (B, H, 1, F or 1): the block's factor in S
+                dv[:, :, n] = (feat * a) @ dS
+                d_feat.mul_(a)
+                # e^(c_b − c_max) cancels the block's own c_b in feat; c_max is the c_b of the
+                # block that holds the max. Summed in one reduction, as a map sums its d
+                # logits: where the block holds no max, the map's d c_b then comes out
+                # exactly 0 (performer's skips routing it to the max)
+                d_c = _sum_to(d_feat * feat, c_blk)
+                d_c += _sum_to(torch.where(c_blk == c, d_c_max, 0.0), c_blk)
+            dk[:, :, n] = keys.grad(d_feat, d_c)
         return dq, dk, dv, None, None, None
 
 
@@ -328,6 +338,37 @@ def _query_grads(q, grad, S, z, finish, dq, rows):
     return dS, dz
 
 
+class _Recomputed:
+    """A block's features recomputed in a backward, ``features`` (and the key map's ``c``,
+    else None), detached, and :meth:`grad`, the way back to the block. A query map is
+    ``phi(x)``; a key map (``key``) ``phi(x, mask) -> (features, c)``. A :class:`PointwiseMap`
+    (or a :class:`PlainKeyMap` of one) goes back by its derivative, without a graph; any
+    other map by autograd through it."""
+
+    def __init__(self, phi, x, *, key=False, mask=None):
+        self.pointwise, self.mask = _pointwise(phi), mask
+        self.x = x.detach().requires_grad_(self.pointwise is None)
+        with torch.enable_grad():
+            out = _key_features(phi, self.x, mask) if key else phi(self.x)
+        self.out = out if isinstance(out, tuple) else (out, None)  # (with their graphs)
+        self.features, self.c = (None if t is None else t.detach() for t in self.out)
+
+    def grad(self, d_features, d_c=None):
+        """dx from d features (and d c, for a key map's c; None: no gradient to c)."""
+        if self.pointwise is None:
+            has_c = d_c is not None
+            torch.autograd.backward(self.out[:1 + has_c], (d_features, d_c)[:1 + has_c])
+            return self.x.grad
+        dx = d_features.mul_(self.pointwise.derivative(self.features))
+        return dx if self.mask is None else dx.masked_fill_(~self.mask[:, None, :, None], 0.0)
+
+
+def _pointwise(phi):
+    """The :class:`PointwiseMap` a query map is, or a key map applies; else None."""
+    inner = phi.phi if isinstance(phi, PlainKeyMap) else phi
+    return inner if isinstance(inner, PointwiseMap) else None
+
+
 def _key_features(phi_k, k_blk, mask):
     """``phi_k(k_blk, mask)`` with padded keys' features set to 0 (a fill, not a product: a
     padded key's feature may overflow)."""
@@ -337,9 +378,14 @@ def _key_features(phi_k, k_blk, mask):
     return feat, c
 
 
-def plain_key_map(phi):
+@dataclass(frozen=True)
+class PlainKeyMap:
     """A key feature map for :func:`kernel_attention` from a plain φ: no block constant."""
-    return lambda k_blk, mask: (phi(k_blk), None)
+
+    phi: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, k_blk, mask):
+        return self.phi(k_blk), None
 
 
 def query_blocks(q, fn):
@@ -386,19 +432,17 @@ class Normalised:
     def grad(self, q_blk, g, S, z):
         """(dq, dS, dz) of a query block from the gradient g of its output: with num = φS,
         den = φ·z + eps, g_num = g/den and g_den = −(g_num·num)/den, dφ = g_num Sᵀ + g_den zᵀ,
-        dS = φᵀ g_num, dz = φᵀ g_den; dq by autograd through φ alone. g_num·num is read as
+        dS = φᵀ g_num, dz = φᵀ g_den; dq back through φ alone (:class:`_Recomputed`). g_num·num is read as
         φ·(g_num Sᵀ), from the product dφ needs anyway: neither num nor the forward's output
         (saving it let the heap keep ~3 output sizes between calls) is needed."""
-        q_b = q_blk.detach().requires_grad_()
-        with torch.enable_grad():
-            f = self.phi_q(q_b)  # (B, H, n, F)
-        fd = f.detach()
+        queries = _Recomputed(self.phi_q, q_blk)
+        fd = queries.features  # (B, H, n, F)
         den = self._den(fd, z)
         g_num = g / den  # (B, H, n, Dv)
         d_f = g_num @ S.transpose(-1, -2)  # (B, H, n, F)
         g_den = torch.linalg.vecdot(fd, d_f).unsqueeze(-1).div_(den).neg_()  # (B, H, n, 1)
-        torch.autograd.backward(f, d_f.addcmul_(g_den, z.unsqueeze(-2)))
-        return q_b.grad, fd.transpose(-1, -2) @ g_num, (fd * g_den).sum(2)
+        dS, dz = fd.transpose(-1, -2) @ g_num, (fd * g_den).sum(2)
+        return queries.grad(d_f.addcmul_(g_den, z.unsqueeze(-2))), dS, dz
 
 
 def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chunk, kv0=None,
@@ -502,7 +546,7 @@ class _CausalBlocks(torch.autograd.Function):
 class _CausalStep:
     """One aligned block of the causal engine from the state (S, z) before it (``__call__``),
     and its backward (``grad``): the chunk algebra by :func:`_causal_prefix_grad`, then
-    autograd through the feature maps alone."""
+    back through the feature maps alone (:class:`_Recomputed`)."""
 
     phi_q: Callable
     phi_k: Callable
@@ -515,13 +559,11 @@ class _CausalStep:
 
     def grad(self, q_blk, k_blk, v_blk, mask, S, z, out, g_out, g_S, g_z):
         """(dq, dk, dv, dS, dz) of the block from its output and the gradients of its (out, S, z)."""
-        q_b, k_b = (t.detach().requires_grad_() for t in (q_blk, k_blk))
-        with torch.enable_grad():
-            f_q, f_k = self.phi_q(q_b), _key_features(self.phi_k, k_b, mask)[0]  # (B, H, n, F)
-        d_fq, d_fk, dv, dS, dz = _causal_prefix_grad(f_q.detach(), f_k.detach(), v_blk, S, z, self.chunk,
-                                                     self.eps, out, g_out, g_S, g_z)
-        torch.autograd.backward((f_q, f_k), (d_fq, d_fk))
-        return q_b.grad, k_b.grad, dv, dS, dz
+        queries = _Recomputed(self.phi_q, q_blk)
+        keys = _Recomputed(self.phi_k, k_blk, key=True, mask=mask)
+        d_fq, d_fk, dv, dS, dz = _causal_prefix_grad(queries.features, keys.features, v_blk, S, z,
+                                                     self.chunk, self.eps, out, g_out, g_S, g_z)
+        return queries.grad(d_fq), keys.grad(d_fk), dv, dS, dz
 
 
 def kernel_flops(B, H, Lq, Lk, Fdim, Dv, causal, chunk) -> float:
@@ -556,7 +598,7 @@ def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=No
     """
     _no_scale("linear", scale)
     phi = _feature_map(opts)
-    out, _ = kernel_attention(q, k, v, phi, plain_key_map(phi), width=q.shape[-1], causal=causal,
+    out, _ = kernel_attention(q, k, v, phi, PlainKeyMap(phi), width=q.shape[-1], causal=causal,
                               key_mask=key_mask, eps=opts.eps, chunk=opts.chunk)
     return out
 
@@ -568,7 +610,7 @@ def linear_step(q, k, v, state: LinearState | None = None, opts=LinearOptions())
     sequence one token at a time gives exactly the causal ``linear_attention``.
     """
     phi = _feature_map(opts)
-    return kernel_attention(q, k, v, phi, plain_key_map(phi), width=q.shape[-1], causal=True,
+    return kernel_attention(q, k, v, phi, PlainKeyMap(phi), width=q.shape[-1], causal=True,
                             key_mask=None, eps=opts.eps, chunk=opts.chunk,
                             kv0=None if state is None else state.kv)
 

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.mechanisms.linear import (
+    PlainKeyMap,
     _no_scale,
     kernel_attention,
     kernel_flops,
     kernel_reference,
-    plain_key_map,
 )
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -43,7 +43,7 @@ def taylor_attention(q, k, v, opts=TaylorOptions(), *, causal=False, key_mask=No
     of ../shared/seeds, which sums over all N keys; we sum over the visible ones).
     """
     _no_scale("taylor", scale)
-    out, _ = kernel_attention(q, k, v, taylor_features, plain_key_map(taylor_features),
+    out, _ = kernel_attention(q, k, v, taylor_features, PlainKeyMap(taylor_features),
                               width=q.shape[-1] + 1, causal=causal, key_mask=key_mask, eps=opts.eps,
                               chunk=opts.chunk)
     return out
