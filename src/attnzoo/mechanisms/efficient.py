@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.mechanisms._common import exp_, finite_or_zero
-from attnzoo.mechanisms.linear import _no_scale, stream_kernel
+from attnzoo.mechanisms.linear import PlainKeyMap, PointwiseMap, _no_scale, stream_kernel
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -37,29 +37,28 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     """
     _no_scale("efficient", scale)
     c = _column_max(k, key_mask)  # one pass over K, so the key blocks need no rescaling
-    return stream_kernel(q, k, v, lambda k_blk, mask: (exp_(torch.sub(k_blk, c)), None), _RowSoftmax(),
-                         key_mask=key_mask)
+    key_map = PointwiseMap(lambda k_blk: exp_(torch.sub(k_blk, c)), lambda phi: phi)  # (c a constant)
+    return stream_kernel(q, k, v, PlainKeyMap(key_map), _RowSoftmax(), key_mask=key_mask)
 
 
 class _RowSoftmax:
     """The finish of :func:`efficient_attention` (see :func:`stream_kernel`): a query block's
     σ_row(q) (S / z), S / z = σ_col(K)ᵀV (B, H, D, Dv), and its backward written out:
-    with p = σ_row(q) and G = S / z, dp = g Gᵀ, dq by autograd through the softmax, dG = pᵀ g,
+    with p = σ_row(q) and G = S / z, dp = g Gᵀ, dq = p ⊙ (dp − p·dp), dG = pᵀ g,
     dS = dG / z, dz = −Σ_v dG ⊙ G / z (0 where z is clamped: no real key)."""
 
     def __call__(self, q_blk, S, z):
         return torch.softmax(q_blk, dim=-1) @ (S / _clamped(z))
 
     def grad(self, q_blk, g, S, z):
-        q_b = q_blk.detach().requires_grad_()
-        with torch.enable_grad():
-            p = torch.softmax(q_b, dim=-1)  # (B, H, n, D)
+        p = torch.softmax(q_blk, dim=-1)  # (B, H, n, D)
         zc = _clamped(z)  # (B, H, D, 1)
         G = S / zc
-        torch.autograd.backward(p, g @ G.transpose(-1, -2))  # dq by softmax's own backward kernel
-        dG = p.detach().transpose(-1, -2) @ g  # (B, H, D, Dv)
+        dp = g @ G.transpose(-1, -2)  # (B, H, n, D)
+        dq = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p)  # (no graph: autograd cost more)
+        dG = p.transpose(-1, -2) @ g  # (B, H, D, Dv)
         dz = torch.where(z == zc.squeeze(-1), -torch.linalg.vecdot(dG, G) / z, 0.0)
-        return q_b.grad, dG.div_(zc), dz
+        return dq, dG.div_(zc), dz
 
 
 def _clamped(z):
