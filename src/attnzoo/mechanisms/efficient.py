@@ -47,8 +47,9 @@ class _RowSoftmax:
     with p = σ_row(q) and G = S / z, dp = g Gᵀ, dq = p ⊙ (dp − p·dp), dG = pᵀ g,
     dS = dG / z, dz = −Σ_v dG ⊙ G / z (0 where z is clamped: no real key)."""
 
-    def __call__(self, q_blk, S, z):
-        return torch.softmax(q_blk, dim=-1) @ (S / _clamped(z))
+    def __call__(self, q_blk, S, z, out=None):
+        o = torch.softmax(q_blk, dim=-1) @ (S / _clamped(z))  # (a matmul into out ran slower)
+        return o if out is None else out.copy_(o)
 
     def grad(self, q_blk, g, S, z):
         p = torch.softmax(q_blk, dim=-1)  # (B, H, n, D)

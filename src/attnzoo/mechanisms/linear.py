@@ -249,7 +249,8 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, closes_over=()):
     """Non-causal kernel attention streamed: S, z, _ = :func:`key_state`, then ``finish(q_block,
     S, z)`` (B, H, n, Dv) for each block of queries.
 
-    ``finish`` is an object: ``finish(q_block, S, z)`` the block's output, and
+    ``finish`` is an object: ``finish(q_block, S, z, out)`` the block's output (written into
+    ``out`` unless it is None: :func:`query_blocks`), and
     ``finish.grad(q_block, g, S, z)`` -> (dq, dS, dz) of the block, from that output's
     gradient g (:class:`Normalised`).
 
@@ -270,7 +271,7 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, closes_over=()):
 def _stream_forward(q, k, v, key_mask, phi_k, finish):
     """(out, S, z, c_max): the key state, then ``finish`` over the query blocks."""
     S, z, c = key_state(k, v, phi_k, key_mask)
-    return query_blocks(q, lambda q_blk: finish(q_blk, S, z)), S, z, c
+    return query_blocks(q, lambda q_blk, out: finish(q_blk, S, z, out), S), S, z, c
 
 
 def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -388,9 +389,19 @@ class PlainKeyMap:
         return self.phi(k_blk), None
 
 
-def query_blocks(q, fn):
-    """``fn(q_block)`` over blocks of queries, joined along the sequence by :func:`join_blocks`."""
-    return join_blocks((fn(q_blk) for q_blk in q.split(stream_rows(q), 2)), q.shape[2])
+def query_blocks(q, fn, like):
+    """``fn(q_block, out)`` over blocks of queries, joined along the sequence into (B, H, L, X),
+    the dtype and last size of ``like``. Without autograd each block is written into ``out``,
+    its slice of one preallocated output (a finish that divides divides into it: no copy);
+    under autograd ``out`` is None and the blocks are concatenated (:func:`join_blocks`)."""
+    blocks = q.split(stream_rows(q), 2)
+    if torch.is_grad_enabled():
+        return join_blocks((fn(q_blk, None) for q_blk in blocks), q.shape[2])
+    out, s = like.new_empty(*q.shape[:3], like.shape[-1]), 0
+    for q_blk in blocks:
+        fn(q_blk, out[:, :, s:s + q_blk.shape[2]])
+        s += q_blk.shape[2]
+    return out
 
 
 def join_blocks(blocks, total):
@@ -421,9 +432,9 @@ class Normalised:
     phi_q: Callable[[torch.Tensor], torch.Tensor]
     eps: float
 
-    def __call__(self, q_blk, S, z):
+    def __call__(self, q_blk, S, z, out=None):
         f = self.phi_q(q_blk)  # (B, H, n, F)
-        return (f @ S) / self._den(f, z)
+        return torch.div(f @ S, self._den(f, z), out=out)
 
     def _den(self, f, z):
         """φ(q)·z + eps (B, H, n, 1), by vecdot (a matvec in bmm is slow)."""
