@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attnzoo._pages import fresh_empty
+
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -375,7 +377,8 @@ class _Band:
             scale=self.fused_scale)[:2]
             for a, b, mask in self._runs(q_flat.dtype)]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
         B, H = self.bh.shape[:2]
-        o = torch.cat([o for o, _ in parts], 1).view(B, H, self.Lp, -1)
+        o = torch.cat([o for o, _ in parts], 1, out=fresh_empty(*qb.shape[:3], parts[0][0].shape[-1],
+                                                              like=parts[0][0])).view(B, H, self.Lp, -1)
         lse = torch.cat([lse for _, lse in parts], 1).view(B, H, self.Lp)
         return o, lse
 
@@ -397,8 +400,9 @@ class _Band:
         gb = grad_o.reshape(BH, nb, block, -1)
         row = torch.linalg.vecdot(gb, o.reshape(gb.shape)).unsqueeze(-1)  # (B·H, nb, block, 1)
         lse2 = (lse.reshape(BH, nb, block) * LOG2E).unsqueeze(-1)  # (B·H, nb, block, 1)
-        dq = torch.empty_like(qb)
-        dk, dv = (torch.zeros_like(t).view(BH, self.L, -1) for t in (k_flat, v_flat))  # (B·H, L, ·)
+        dq = fresh_empty(*qb.shape, like=qb)
+        dk, dv = (fresh_empty(BH, self.L, t.shape[-1], like=t).zero_()  # (B·H, L, ·)
+                  for t in (k_flat, v_flat))
         heads = max(1, SCORES_PER_CHUNK // 2 // (block * self.span))  # heads at a time
         scale = self.fused_scale
         for a, b, mask in self._runs(q_flat.dtype):

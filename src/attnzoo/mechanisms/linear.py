@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnzoo._pages import fresh_empty
 from attnzoo.masks import causal_offset, dense_mask
 from attnzoo.mechanisms._common import exp_, finite_or_zero, needs_grad
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -294,7 +295,7 @@ class _StreamedKernel(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, key_mask, S, z, c = ctx.saved_tensors
         phi_k, finish = ctx.maps
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = (fresh_empty(*t.shape, like=t) for t in (q, k, v))
         safe_c = None if c is None else finite_or_zero(c)
         dS, dz = _query_grads(q, grad, S, z, finish, dq, _backward_rows(q))
         dz = dz.unsqueeze(2)  # (B, H, 1, F)
@@ -397,7 +398,7 @@ def query_blocks(q, fn, like):
     blocks = q.split(stream_rows(q), 2)
     if torch.is_grad_enabled():
         return join_blocks((fn(q_blk, None) for q_blk in blocks), q.shape[2])
-    out, s = like.new_empty(*q.shape[:3], like.shape[-1]), 0
+    out, s = fresh_empty(*q.shape[:3], like.shape[-1], like=like), 0
     for q_blk in blocks:
         fn(q_blk, out[:, :, s:s + q_blk.shape[2]])
         s += q_blk.shape[2]
@@ -418,7 +419,7 @@ def join_blocks(blocks, total):
         if blk.shape[2] == total:
             return blk
         if out is None:
-            out = blk.new_empty(*blk.shape[:2], total, blk.shape[-1])
+            out = fresh_empty(*blk.shape[:2], total, blk.shape[-1], like=blk)
         out[:, :, s:s + blk.shape[2]] = blk
         s += blk.shape[2]
     return out
@@ -542,7 +543,7 @@ class _CausalBlocks(torch.autograd.Function):
     def backward(ctx, g_out, g_S, g_z):
         q, k, v, key_mask, out, *states = ctx.saved_tensors
         rows = ctx.rows  # (unused outputs' gradients come as zeros: materialize_grads)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = (fresh_empty(*t.shape, like=t) for t in (q, k, v))
         blocks = list(zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows), out.split(rows, 2),
                           g_out.split(rows, 2), strict=True))
         for n in reversed(range(len(blocks))):

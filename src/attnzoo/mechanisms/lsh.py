@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnzoo._pages import fresh_empty
 from attnzoo.mechanisms._common import (
     LOG2E,
     pad_to,
@@ -327,7 +328,7 @@ class _Rounds(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_flat, k_flat, v_flat, plans):
         B, H, L = plans[0].pos.shape
-        acc = q_flat.new_empty(B * H * L + 1, v_flat.shape[-1])  # by row, and a spare row for padding
+        acc = fresh_empty(B * H * L + 1, v_flat.shape[-1], like=q_flat)  # by row, and a spare row for padding
         acc_lse = q_flat.new_empty(B * H * L + 1)  # its log-sum-exp, base 2
         flats = q_flat, k_flat, v_flat
         scratch = _Scratch(plans[0], flats, ("scores", "met"))
@@ -346,7 +347,7 @@ class _Rounds(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q_flat, k_flat, v_flat, out, lse = ctx.saved_tensors
-        grads = tuple(torch.zeros_like(t) for t in (q_flat, k_flat, v_flat))
+        grads = tuple(fresh_empty(*t.shape, like=t).zero_() for t in (q_flat, k_flat, v_flat))
         flat_grad = grad.reshape(-1, grad.shape[-1])  # (B·H·L, Dv): rows as q_flat's
         row = -torch.linalg.vecdot(flat_grad, out)  # by row
         total = torch.where(torch.isfinite(lse), lse, float("inf"))  # (base 2) no key: no weight

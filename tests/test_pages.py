@@ -1,0 +1,46 @@
+import sys
+
+import pytest
+import torch
+
+from attnzoo import _pages
+from attnzoo._pages import HUGE_PAGE, MIN_BYTES, fresh_empty, whole_huge_pages
+
+
+@pytest.mark.parametrize("ptr, nbytes, expected", [
+    (0, 3 * HUGE_PAGE, (0, 3 * HUGE_PAGE)),  # aligned at both ends
+    (16, 3 * HUGE_PAGE, (HUGE_PAGE, 2 * HUGE_PAGE)),  # the partial pages at either end are left out
+    (HUGE_PAGE - 1, HUGE_PAGE + 2, (HUGE_PAGE, HUGE_PAGE)),
+    (16, HUGE_PAGE, (HUGE_PAGE, 0)),  # no whole huge page inside
+])
+def test_whole_huge_pages_lie_inside_the_tensor(ptr, nbytes, expected):
+    start, length = whole_huge_pages(ptr, nbytes)
+    assert (start, length) == expected
+    assert start % HUGE_PAGE == 0 and length % HUGE_PAGE == 0
+    assert length == 0 or (start >= ptr and start + length <= ptr + nbytes)
+
+
+def test_fresh_empty_advises_a_large_result_and_is_a_plain_tensor(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_pages, "_MADVISE", lambda *args: calls.append(args))
+    like = torch.zeros(2, dtype=torch.float64)
+    t = fresh_empty(MIN_BYTES // 8 + 3, like=like)
+    assert t.shape == (MIN_BYTES // 8 + 3,) and t.dtype == torch.float64
+    (start, length, advice), = calls
+    assert advice == 14 and length >= 2 * HUGE_PAGE
+    assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.numel() * 8
+    t.fill_(1.0)  # written whole, as its callers do
+    assert t.sum().item() == t.numel()
+    fresh_empty(5, like=like)  # small: left to the heap
+    assert len(calls) == 1
+
+
+def test_fresh_empty_without_madvise(monkeypatch):
+    monkeypatch.setattr(_pages, "_MADVISE", None)
+    assert fresh_empty(3, 4, like=torch.zeros(1, dtype=torch.float16)).shape == (3, 4)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_libc_madvise_is_found_on_linux():
+    assert _pages._MADVISE is not None
+    fresh_empty(MIN_BYTES // 4, like=torch.zeros(1)).zero_()  # the real call, on a real tensor
