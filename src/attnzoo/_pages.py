@@ -47,8 +47,8 @@ def fresh_empty(*shape: int, like: torch.Tensor) -> torch.Tensor:
     it is at least MIN_BYTES, its whole huge pages are advised as such first. Best effort: the
     tensor is the same where madvise is missing or refuses (the kernel's THP set to never)."""
     t = like.new_empty(shape)
-    if _MADVISE is not None and t.device.type == "cpu" and t.numel() * t.element_size() >= MIN_BYTES:
-        start, length = whole_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    if _MADVISE is not None and t.device.type == "cpu" and t.nbytes >= MIN_BYTES:
+        start, length = whole_huge_pages(t.data_ptr(), t.nbytes)
         if length:
             _MADVISE(start, length, _MADV_HUGEPAGE)
     return t

@@ -356,7 +356,8 @@ class _Recomputed:
         self.features, self.c = (None if t is None else t.detach() for t in self.out)
 
     def grad(self, d_features, d_c=None):
-        """dx from d features (and d c, for a key map's c; None: no gradient to c)."""
+        """dx from d features (and d c, for a key map's c; None: no gradient to c). A pointwise
+        map writes dx over ``d_features``: callers pass a fresh tensor they do not use again."""
         if self.pointwise is None:
             has_c = d_c is not None
             torch.autograd.backward(self.out[:1 + has_c], (d_features, d_c)[:1 + has_c])
