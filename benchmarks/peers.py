@@ -10,7 +10,9 @@
 For every pair and length, ours and the peer run on the same inputs (same seed, each in
 its library's layout, converted before the call) and the same configuration, each in a
 fresh process, alternating: which side goes first alternates from cell to cell and, with
-``--rounds`` > 1, from round to round. Each process
+``--rounds`` > 1, from round to round. Rounds are interleaved: the run goes over every cell
+once, then again, so each cell's processes spread over the whole run, and the report is
+written after every pass (a run cut short keeps what it measured). Each process
 times forwards under no_grad and forward+backward (inputs and parameters require
 grad, ``out.backward(g)`` for a fixed g), after one warm-up call, and reads the peak
 extra resident memory of one call the way ``attnzoo bench`` does (VmHWM reset after
@@ -408,29 +410,47 @@ def main_parent(args) -> None:
            "command": "python benchmarks/peers.py " + " ".join(sys.argv[1:]),
            "machine": machine(args.threads), "lengths": args.lengths, "repeats": args.repeats,
            "timed_s": TIMED_S, "max_repeats": MAX_REPEATS,
-           "rounds": args.rounds, "cheap_rounds": args.cheap_rounds, "cheap_s": CHEAP_S, "cells": {}}
+           "rounds": args.rounds, "cheap_rounds": args.cheap_rounds, "cheap_s": CHEAP_S, "interleaved": True}
     jobs = [(n, L) for n in names for L in args.lengths]
-    started = time.time()
+    runs = {job: {s: [] for s in ["ours"] + (["peer"] if PAIRS[job[0]].peer else [])} for job in jobs}
+    out, started = Path(args.out), time.time()
     with Progress(console=console) as progress:
-        task = progress.add_task("pairs", total=len(jobs))
-        for n, L in jobs:
-            sides = ["ours"] + (["peer"] if PAIRS[n].peer else [])
-            runs: dict[str, list[dict]] = {s: [] for s in sides}
-            r = 0
-            while r < cell_rounds(runs, args.rounds, args.cheap_rounds):
-                first = sides if (r + len(doc["cells"])) % 2 == 0 else sides[::-1]  # by round and cell
-                for side in first:
+        task = progress.add_task("pairs", total=len(jobs) * args.rounds)
+        for r, due in rounds_due(jobs, runs, args.rounds, args.cheap_rounds):
+            for i in due:
+                (n, L), cell = jobs[i], runs[jobs[i]]
+                sides = list(cell)
+                for side in sides if (r + i) % 2 == 0 else sides[::-1]:  # by round and cell
                     progress.update(task, description=f"{n} L={L} {side} (round {r + 1})")
-                    runs[side].append(run_child(n, side, L, args))
-                r += 1
-            doc["cells"][f"{n}/{L}"] = {s: merge(runs[s]) for s in sides}
-            progress.advance(task)
+                    cell[side].append(run_child(n, side, L, args))
+                due_in_all = sum(cell_rounds(runs[j], args.rounds, args.cheap_rounds) for j in jobs)
+                progress.update(task, advance=1, total=due_in_all)
+            doc["rounds_done"] = r + 1  # each pass's report is written: a cut-off run keeps its passes
+            write_report(doc, runs, out, started)
+    del doc["rounds_done"]
+    write_report(doc, runs, out, started)
+    console.print(f"wrote {out} and {out.with_suffix('.json')} in {doc['wall_s']} s")
+
+
+def rounds_due(jobs: list, runs: dict, rounds: int, cheap_rounds: int):
+    """Yields ``(r, [indices of the jobs due a round r])`` until none is: round r of every cell runs
+    before round r + 1 of any, so a cell's processes spread over the whole run rather than the
+    few minutes one cell takes, and the hour a cell happens to run in weighs less in its ratio.
+    A cell's rounds are :func:`cell_rounds` of its runs so far (the cheap rounds come last)."""
+    r = 0
+    while due := [i for i, job in enumerate(jobs) if r < cell_rounds(runs[job], rounds, cheap_rounds)]:
+        yield r, due
+        r += 1
+
+
+def write_report(doc: dict, runs: dict, out: Path, started: float) -> None:
+    """docs/performance.md and .json from the runs so far."""
+    doc["cells"] = {f"{n}/{L}": {s: merge(side) for s, side in cell.items() if side}
+                    for (n, L), cell in runs.items() if any(cell.values())}
     doc["wall_s"] = round(time.time() - started)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     out.write_text(report(doc))
-    console.print(f"wrote {out} and {out.with_suffix('.json')} in {doc['wall_s']} s")
 
 
 # ---------------------------------------------------------------------------- report
@@ -490,6 +510,19 @@ def _more_rounds(doc: dict) -> str:
             "this machine differs from process to process)")
 
 
+def _interleaved(doc: dict) -> str:
+    """The report's note on the order of rounds (runs from before it ran each cell's rounds together)."""
+    return ", interleaved (round r of every cell before round r + 1 of any)" if doc.get("interleaved") else ""
+
+
+def _partial(doc: dict) -> list[str]:
+    """A warning line for a report written while the run goes on (or after it was cut off)."""
+    if "rounds_done" not in doc:
+        return []
+    return [f"**Partial: written after pass {doc['rounds_done']} over the cells; the run had not finished.**",
+            ""]
+
+
 def report(doc: dict) -> str:
     m, cells = doc["machine"], doc["cells"]
     lengths = doc["lengths"]
@@ -498,12 +531,14 @@ def report(doc: dict) -> str:
         "",
         f"Command: `{doc['command']}` ({doc['wall_s']} s). Date {doc['created']}.",
         "",
+        *_partial(doc),
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}, "
         f"Python {m['python']}; float32 matmul {m['matmul_gflops']} GFLOP/s.",
         "",
         f"Shape: B={B}, H={H}, D={D}, float32; module pairs on x (B, L, {D_MODEL}). Each side runs in a "
         f"fresh process, the side that goes first alternating from cell to cell, {doc['rounds']} round(s)"
-        f"{_more_rounds(doc)} of {doc['repeats']} timed calls after a warm-up{_more_calls(doc)}; times are "
+        f"{_more_rounds(doc)}{_interleaved(doc)} of {doc['repeats']} timed calls after a warm-up"
+        f"{_more_calls(doc)}; times are "
         "medians of all timed calls, memory is the peak extra resident memory of one call (median over "
         "rounds). Ratios are "
         "ours / peer: below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 "

@@ -121,3 +121,26 @@ def test_parent_runs_cheap_cells_more_rounds(tmp_path):
     assert doc["cells"]["taylor/17"]["ours"]["rounds"] == 2
     assert doc["cells"]["full/17"]["ours"]["rounds"] == 2  # SDPA, added for the ratio
     assert "2 where every process took under" in out.read_text()
+
+
+def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
+    """Round r of every cell before round r + 1 of any; cheap cells' extra rounds after both;
+    the report after each pass says it is partial, the last one not."""
+    out, calls = tmp_path / "perf.md", []
+
+    def fake_child(pair, side, L, args):
+        calls.append((pair, L, side, out.read_text() if out.exists() else None))
+        return {"status": "ok", "fwd_s": [0.1], "fwd_peak_bytes": 2**20, "child_s": 5.0 if L == 17 else 30.0}
+
+    monkeypatch.setattr(peers, "run_child", fake_child)
+    monkeypatch.setattr(peers, "machine", lambda threads: _doc({})["machine"])
+    peers.main(["--only", "taylor", "--lengths", "17,19", "--rounds", "2", "--cheap-rounds", "3",
+                "--out", str(out)])
+    ours = [(pair, L, text) for pair, L, side, text in calls if side == "ours"]
+    both = [("full", 17), ("full", 19), ("taylor", 17), ("taylor", 19)]
+    assert [c[:2] for c in ours] == both + both + [("full", 17), ("taylor", 17)]  # L = 17 is cheap
+    assert ours[0][2] is None and "Partial: written after pass 1 " in ours[4][2]
+    assert "Partial: written after pass 2 " in ours[8][2] and "| taylor | no | 100 | 1.00 |" in ours[8][2]
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert [doc["cells"][f"taylor/{L}"]["ours"]["rounds"] for L in (17, 19)] == [3, 2]
+    assert "Partial" not in out.read_text() and ", interleaved" in out.read_text()
