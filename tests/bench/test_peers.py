@@ -133,7 +133,9 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
         return {"status": "ok", "fwd_s": [0.1], "fwd_peak_bytes": 2**20, "child_s": 5.0 if L == 17 else 30.0}
 
     monkeypatch.setattr(peers, "run_child", fake_child)
-    monkeypatch.setattr(peers, "machine", lambda threads: _doc({})["machine"])
+    monkeypatch.setattr(peers, "machine", lambda threads: _doc({})["machine"])  # rate 100
+    rates = iter([130.0, 90.0, 120.0])  # measured after each pass
+    monkeypatch.setattr(peers, "matmul_rate", lambda threads: next(rates))
     peers.main(["--only", "taylor", "--lengths", "17,19", "--rounds", "2", "--cheap-rounds", "3",
                 "--out", str(out)])
     ours = [(pair, L, text) for pair, L, side, text in calls if side == "ours"]
@@ -143,4 +145,7 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
     assert "Partial: written after pass 2 " in ours[8][2] and "| taylor | no | 100 | 1.00 |" in ours[8][2]
     doc = json.loads(out.with_suffix(".json").read_text())
     assert [doc["cells"][f"taylor/{L}"]["ours"]["rounds"] for L in (17, 19)] == [3, 2]
+    assert doc["machine"]["matmul_gflops_measured"] == [100.0, 130.0, 90.0, 120.0]
+    assert doc["machine"]["matmul_gflops"] == 110.0  # their median sets the floors
+    assert "110.0 GFLOP/s (the median of 4 measurements" in out.read_text()
     assert "Partial" not in out.read_text() and ", interleaved" in out.read_text()
