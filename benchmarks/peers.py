@@ -449,7 +449,7 @@ def main_parent(args) -> None:
 
 
 def rounds_due(jobs: list, runs: dict, rounds: int, cheap_rounds: int):
-    """Yields ``(r, [indices of the jobs due a round r])`` until none is: round r of every cell runs
+    """Yields ``(r, [indices of the jobs due round r])`` until none is: round r of every cell runs
     before round r + 1 of any, so a cell's processes spread over the whole run rather than the
     few minutes one cell takes, and the hour a cell happens to run in weighs less in its ratio.
     A cell's rounds are :func:`cell_rounds` of its runs so far (the cheap rounds come last)."""
