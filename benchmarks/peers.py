@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -287,6 +288,23 @@ def calls_for(first_s: float, repeats: int) -> int:
     return max(repeats, min(MAX_REPEATS, math.ceil(TIMED_S / max(first_s, 1e-6))))
 
 
+def timed_calls(fn, n: int, key: str) -> dict[str, list]:
+    """``n`` calls of ``fn``: the wall seconds of each (``{key}_s``), and the kernel CPU seconds
+    (``{key}_sys_s``) and minor page faults (``{key}_faults``) the process, all its threads,
+    spent in each. Kernel time is part of the wall time the ratios compare, and it moves: the
+    same forward (linear, L = 16384) read 26k–29k faults a call in some processes and ~1k in
+    others, by the state glibc's heap happened to be in."""
+    wall, kernel, faults = [], [], []
+    for _ in range(n):
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        fn()
+        wall.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        kernel.append(after.ru_stime - before.ru_stime)
+        faults.append(after.ru_minflt - before.ru_minflt)
+    return {f"{key}_s": wall, f"{key}_sys_s": kernel, f"{key}_faults": faults}
+
+
 def measure_side(case: Case, repeats: int, backward: bool) -> dict:
     """Warm-up, one memory call, at least `repeats` timed calls (:func:`calls_for`); forward
     (no grad) then forward+backward."""
@@ -297,7 +315,7 @@ def measure_side(case: Case, repeats: int, backward: bool) -> dict:
         if first > CALL_LIMIT_S:
             return {**out, "status": f"first forward took {first:.0f} s"}
         out["fwd_peak_bytes"] = peak_memory(case.fwd)
-        out["fwd_s"] = timings(case.fwd, calls_for(first, repeats))
+        out.update(timed_calls(case.fwd, calls_for(first, repeats), "fwd"))
     if not backward:
         return {**out, "status": "ok"}
     grad = torch.randn(case.fwd().shape, generator=torch.Generator().manual_seed(1))
@@ -312,7 +330,7 @@ def measure_side(case: Case, repeats: int, backward: bool) -> dict:
     if first > CALL_LIMIT_S:
         return {**out, "status": "ok", "bwd_status": f"first forward+backward took {first:.0f} s"}
     out["fwdbwd_peak_bytes"] = peak_memory(fwd_bwd)
-    out["fwdbwd_s"] = timings(fwd_bwd, calls_for(first, repeats))
+    out.update(timed_calls(fwd_bwd, calls_for(first, repeats), "fwdbwd"))
     return {**out, "status": "ok", "bwd_status": "ok"}
 
 
@@ -374,6 +392,9 @@ def merge(runs: list[dict]) -> dict:
         if times:
             cell[f"{key}_s"] = statistics.median(times)
             cell[f"{key}_samples"] = len(times)
+        for extra in ("sys_s", "faults"):  # (runs from before recorded neither)
+            if values := [x for r in ok for x in r.get(f"{key}_{extra}", [])]:
+                cell[f"{key}_{extra}"] = statistics.median(values)
         if peaks:
             cell[f"{key}_mib"] = statistics.median(peaks) / 2**20
     bwd = [r.get("bwd_status") for r in ok if r.get("bwd_status") not in (None, "ok")]
@@ -540,6 +561,25 @@ def _rates(m: dict) -> str:
             f"over the cells: {min(rates)}–{max(rates)})")
 
 
+def _kernel_time(cells: dict) -> str:
+    """The report's line on kernel time: for each side, the median over the cells at L >= 4096 of
+    the kernel CPU time a call spent, as a share of its wall time (runs from before have none)."""
+    shares: dict[str, list[float]] = {"ours": [], "peer": []}
+    for name, c in cells.items():
+        if int(name.rsplit("/", 1)[1]) < 4096:
+            continue
+        for side, cell in c.items():
+            shares[side] += [cell[f"{k}_sys_s"] / cell[f"{k}_s"] for k in ("fwd", "fwdbwd")
+                             if f"{k}_sys_s" in cell]
+    if not shares["ours"]:
+        return ""
+    said = [f"{statistics.median(v):.0%} for {'ours' if s == 'ours' else 'the peers'}"
+            for s, v in shares.items() if v]
+    return (" Kernel time (page faults, thread wake-ups) inside the timed calls, as a share of their "
+            f"wall time, median over the cells at L ≥ 4096: {' and '.join(said)} (per cell: `fwd_sys_s`, "
+            "`fwd_faults` and the same for fwdbwd in docs/performance.json).")
+
+
 def _partial(doc: dict) -> list[str]:
     """A warning line for a report written while the run goes on (or after it was cut off)."""
     if "rounds_done" not in doc:
@@ -558,7 +598,7 @@ def report(doc: dict) -> str:
         "",
         *_partial(doc),
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}, "
-        f"Python {m['python']}; float32 matmul {m['matmul_gflops']} GFLOP/s{_rates(m)}.",
+        f"Python {m['python']}; float32 matmul {m['matmul_gflops']} GFLOP/s{_rates(m)}.{_kernel_time(cells)}",
         "",
         f"Shape: B={B}, H={H}, D={D}, float32; module pairs on x (B, L, {D_MODEL}). Each side runs in a "
         f"fresh process, the side that goes first alternating from cell to cell, {doc['rounds']} round(s)"
@@ -647,7 +687,6 @@ def main(argv: list[str] | None = None) -> None:
             label = p.peer_label or '(SDPA only)'
             print(f"{n:20s} {'causal' if p.causal else '      '} {p.scope:6s} {label}")
     elif args.child:
-        import resource
         cap = 20 * 2**30  # an allocation past it fails as an exception, not the kernel's OOM killer
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
         pair, side, L = args.child

@@ -26,6 +26,10 @@ def test_our_side_of_every_pair_runs(pair):
     result = peers.child(pair, "ours", 40, repeats=1, backward=True, threads=1)
     assert result["status"] == "ok" and result["bwd_status"] == "ok", result
     assert len(result["fwd_s"]) == peers.calls_for(result["fwd_first_s"], 1) and result["fwdbwd_s"][0] > 0
+    for key in ("fwd", "fwdbwd"):  # kernel time and page faults of every timed call
+        n = len(result[f"{key}_s"])
+        assert len(result[f"{key}_sys_s"]) == len(result[f"{key}_faults"]) == n
+        assert all(t >= 0 for t in result[f"{key}_sys_s"]) and all(f >= 0 for f in result[f"{key}_faults"])
 
 
 def test_fast_calls_are_timed_more_often():
@@ -71,6 +75,21 @@ def test_report_ratios_and_targets():
     assert "0.60 ✗" in lsh and "0.19 ✓" in lsh  # memory 300 / 1600
     vs_sdpa = next(line for line in text.splitlines() if line.startswith("| log_sparse | no"))
     assert "0.05 ✓" in vs_sdpa  # 0.2 s against SDPA's 4.0 s at 16384: ≤ 0.2
+
+
+def test_report_gives_the_share_of_kernel_time():
+    """Median over the cells at L >= 4096 of kernel / wall time, per side; absent in older runs."""
+    def side(wall, kernel):
+        return {**_side(wall, 9), "fwd_sys_s": kernel, "fwdbwd_sys_s": 3 * kernel, "fwd_faults": 100}
+    cells = {"efficient/4096": {"ours": side(0.1, 0.01), "peer": side(0.2, 0.1)},  # 10 % and 50 %
+             "linear/16384": {"ours": side(0.1, 0.03), "peer": side(0.2, 0.06)},  # 30 % and 30 %
+             "linear/1024": {"ours": side(0.1, 0.09), "peer": side(0.1, 0.09)}}  # (too short: left out)
+    assert "wall time, median over the cells at L ≥ 4096: 20% for ours and 40% for the peers" in (
+        peers.report(_doc(cells)))
+    assert "Kernel time" not in peers.report(_doc({"efficient/4096": {"ours": _side(0.1, 9)}}))
+    merged = peers.merge([{"status": "ok", "fwd_s": [1, 2], "fwd_sys_s": [0.1, 0.3], "fwd_faults": [5, 7]},
+                          {"status": "ok", "fwd_s": [3], "fwd_sys_s": [0.2], "fwd_faults": [9]}])
+    assert (merged["fwd_sys_s"], merged["fwd_faults"]) == (0.2, 7)
 
 
 def test_floor_counts_the_pairs_own_options():
