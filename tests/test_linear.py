@@ -98,6 +98,9 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
     check_gradcheck(name, Lq=5, Lk=7, masked=True)
     for seed in range(3):
         check_against_reference(name, Lq=9, Lk=11, masked=True, seed=seed)
+    with torch.no_grad():  # the forward alone: every block's temporaries in one Scratch
+        for masked in (False, True):  # (unmasked, a block's features stay in the scratch)
+            check_against_reference(name, Lq=9, Lk=11, masked=masked, backward=False)
     if attnzoo.get(name).capabilities.causal:  # blocks of one chunk of 2
         for Lq, Lk in [(9, 11), (11, 9), (10, 10)]:
             check_against_reference(name, Lq=Lq, Lk=Lk, causal=True, masked=True, options={"chunk": 2})

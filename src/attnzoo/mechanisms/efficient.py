@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnzoo._pages import scratch_buffer
 from attnzoo.mechanisms._common import exp_, finite_or_zero
 from attnzoo.mechanisms.linear import PlainKeyMap, PointwiseMap, _no_scale, stream_kernel
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -37,7 +38,9 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     """
     _no_scale("efficient", scale)
     c = _column_max(k, key_mask)  # one pass over K, so the key blocks need no rescaling
-    key_map = PointwiseMap(lambda k_blk: exp_(torch.sub(k_blk, c)), lambda phi: phi)  # (c a constant)
+    key_map = PointwiseMap(lambda k_blk, scratch=None: exp_(torch.sub(
+        k_blk, c, out=scratch_buffer(scratch, "phi", k_blk.shape))), lambda phi: phi,
+        takes_scratch=True)  # (c a constant)
     return stream_kernel(q, k, v, PlainKeyMap(key_map), _RowSoftmax(), key_mask=key_mask)
 
 
@@ -47,9 +50,10 @@ class _RowSoftmax:
     with p = σ_row(q) and G = S / z, dp = g Gᵀ, dq = p ⊙ (dp − p·dp), dG = pᵀ g,
     dS = dG / z, dz = −Σ_v dG ⊙ G / z (0 where z is clamped: no real key)."""
 
-    def __call__(self, q_blk, S, z, out=None):
-        o = torch.softmax(q_blk, dim=-1) @ (S / _clamped(z))  # (a matmul into out ran slower)
-        return o if out is None else out.copy_(o)
+    def __call__(self, q_blk, S, z, out=None, scratch=None):
+        p = torch.softmax(q_blk, dim=-1)  # (B, H, n, D)
+        o = torch.matmul(p, S / _clamped(z), out=scratch_buffer(scratch, "num", (*p.shape[:-1], S.shape[-1])))
+        return o if out is None else out.copy_(o)  # (a matmul into out ran slower)
 
     def grad(self, q_blk, g, S, z):
         p = torch.softmax(q_blk, dim=-1)  # (B, H, n, D)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo._pages import fresh_empty
+from attnzoo._pages import Scratch, fresh_empty, scratch_buffer
 from attnzoo.masks import causal_offset, dense_mask
 from attnzoo.mechanisms._common import exp_, finite_or_zero, needs_grad
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -24,13 +24,23 @@ class PointwiseMap:
     ``derivative(φ(x))``. Under autograd it keeps only φ for its backward; the engines'
     backwards recompute it without a graph and take dx = dφ ⊙ φ'(x) (:class:`_Recomputed`):
     autograd through every block's map, and the graph the backward built around it, cost
-    linear ~15 % of its training step at L = 4096."""
+    linear ~15 % of its training step at L = 4096. With ``takes_scratch``, ``fn(x, scratch)``
+    writes φ and its temporaries into a :class:`~attnzoo._pages.Scratch`'s buffers (without
+    autograd; None: fresh tensors)."""
 
-    fn: Callable[[torch.Tensor], torch.Tensor]  # x -> φ(x), plain
+    fn: Callable[..., torch.Tensor]  # x -> φ(x), plain (takes_scratch: (x, scratch) -> φ(x))
     derivative: Callable[[torch.Tensor], torch.Tensor]  # φ(x) -> φ'(x)
+    takes_scratch: bool = False
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _Pointwise.apply(x, self) if needs_grad(x) else self.fn(x)
+    def __call__(self, x: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+        if needs_grad(x):
+            return _Pointwise.apply(x, self)
+        return self.fn(x, scratch) if self.takes_scratch else self.fn(x)
+
+
+def apply_map(phi, x: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+    """φ(x), into ``scratch`` where φ is a :class:`PointwiseMap` (any other map: fresh)."""
+    return phi(x, scratch) if isinstance(phi, PointwiseMap) else phi(x)
 
 
 class _Pointwise(torch.autograd.Function):
@@ -38,7 +48,7 @@ class _Pointwise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, phi_map):
-        phi = phi_map.fn(x)
+        phi = phi_map(x)  # (no grad in here: plain)
         ctx.save_for_backward(phi)
         ctx.derivative = phi_map.derivative
         return phi
@@ -49,18 +59,18 @@ class _Pointwise(torch.autograd.Function):
         return grad * ctx.derivative(phi), None
 
 
-def _elu_plus_one(x):
+def _elu_plus_one(x, scratch=None):
     """φ(x) = elu(x) + 1, the paper's positive feature map: e^x for x <= 0, 1 + x above.
 
     Computed as e^min(x, 0) + max(x, 0) by :func:`exp_` (torch's float32 ``elu`` runs on its
     slow ``expm1``; this is about 1.7× faster, and more exact for negative x, where
     expm1(x) + 1 rounds away digits of e^x). Its derivative is min(φ, 1): e^x below 0, 1 above.
     """
-    pos = torch.relu(x)
-    return exp_(x - pos).add_(pos)
+    pos = torch.clamp(x, min=0, out=scratch_buffer(scratch, "elu_pos", x.shape))
+    return exp_(torch.sub(x, pos, out=scratch_buffer(scratch, "phi", x.shape))).add_(pos)
 
 
-elu_feature_map = PointwiseMap(_elu_plus_one, lambda phi: phi.clamp(max=1.0))
+elu_feature_map = PointwiseMap(_elu_plus_one, lambda phi: phi.clamp(max=1.0), takes_scratch=True)
 
 
 @dataclass(frozen=True)
@@ -207,10 +217,11 @@ def _backward_rows(t: torch.Tensor) -> int:
     return max(min(128, rows), rows // 2)
 
 
-def key_state(k, v, phi_k, key_mask):
+def key_state(k, v, phi_k, key_mask, scratch=None):
     """S = Σ_j φ(k_j) v_jᵀ (B, H, F, Dv) and z = Σ_j φ(k_j) (B, H, F), streamed over key blocks.
 
-    ``phi_k(k_block, mask_block)`` gives ``(features (B, H, n, F), c)``: the block's true
+    ``phi_k(k_block, mask_block, scratch=None)`` gives ``(features (B, H, n, F), c)`` (with a
+    :class:`~attnzoo._pages.Scratch`, it may write them into its buffers): the block's true
     features are features·e^c, c (B, H, 1, F or 1) or None (no factor). Blocks are merged
     by rescaling to the largest c so far, so S and z share one factor e^(−c_max) (which
     cancels in every normalised use) and no (Lk, F) tensor exists. Padded keys
@@ -220,7 +231,7 @@ def key_state(k, v, phi_k, key_mask):
     rows = stream_rows(k)
     S = z = c = None
     for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
-        feat, c_blk = _key_features(phi_k, k_blk, mask)  # (B, H, n, F)
+        feat, c_blk = _key_features(phi_k, k_blk, mask, scratch)  # (B, H, n, F)
         S_blk, z_blk = feat.transpose(-1, -2) @ v_blk, feat.sum(2)
         if S is None:
             S, z, c = S_blk, z_blk, c_blk
@@ -250,8 +261,9 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, closes_over=()):
     """Non-causal kernel attention streamed: S, z, _ = :func:`key_state`, then ``finish(q_block,
     S, z)`` (B, H, n, Dv) for each block of queries.
 
-    ``finish`` is an object: ``finish(q_block, S, z, out)`` the block's output (written into
-    ``out`` unless it is None: :func:`query_blocks`), and
+    ``finish`` is an object: ``finish(q_block, S, z, out, scratch)`` the block's output (written
+    into ``out`` unless it is None: :func:`query_blocks`; its temporaries into ``scratch``, a
+    :class:`~attnzoo._pages.Scratch` the whole call shares, unless it is None), and
     ``finish.grad(q_block, g, S, z)`` -> (dq, dS, dz) of the block, from that output's
     gradient g (:class:`Normalised`).
 
@@ -270,9 +282,14 @@ def stream_kernel(q, k, v, phi_k, finish, *, key_mask, closes_over=()):
 
 
 def _stream_forward(q, k, v, key_mask, phi_k, finish):
-    """(out, S, z, c_max): the key state, then ``finish`` over the query blocks."""
-    S, z, c = key_state(k, v, phi_k, key_mask)
-    return query_blocks(q, lambda q_blk, out: finish(q_blk, S, z, out), S), S, z, c
+    """(out, S, z, c_max): the key state, then ``finish`` over the query blocks. Without
+    autograd (as in :class:`_StreamedKernel`'s forward, whose backward recomputes the blocks)
+    the blocks' features and products go into one :class:`~attnzoo._pages.Scratch` (and
+    :func:`query_blocks` then writes each block's output into its slice of the result: no
+    block's output stays in the scratch)."""
+    scratch = None if torch.is_grad_enabled() else Scratch(q)
+    S, z, c = key_state(k, v, phi_k, key_mask, scratch)
+    return query_blocks(q, lambda q_blk, out: finish(q_blk, S, z, out, scratch), S), S, z, c
 
 
 def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -372,10 +389,10 @@ def _pointwise(phi):
     return inner if isinstance(inner, PointwiseMap) else None
 
 
-def _key_features(phi_k, k_blk, mask):
-    """``phi_k(k_blk, mask)`` with padded keys' features set to 0 (a fill, not a product: a
-    padded key's feature may overflow)."""
-    feat, c = phi_k(k_blk, mask)
+def _key_features(phi_k, k_blk, mask, scratch=None):
+    """``phi_k(k_blk, mask, scratch)`` with padded keys' features set to 0 (a fill, not a product:
+    a padded key's feature may overflow)."""
+    feat, c = phi_k(k_blk, mask, scratch)
     if mask is not None:
         feat = feat.masked_fill(~mask[:, None, :, None], 0.0)
     return feat, c
@@ -387,8 +404,8 @@ class PlainKeyMap:
 
     phi: Callable[[torch.Tensor], torch.Tensor]
 
-    def __call__(self, k_blk, mask):
-        return self.phi(k_blk), None
+    def __call__(self, k_blk, mask, scratch=None):
+        return apply_map(self.phi, k_blk, scratch), None
 
 
 def query_blocks(q, fn, like):
@@ -434,9 +451,10 @@ class Normalised:
     phi_q: Callable[[torch.Tensor], torch.Tensor]
     eps: float
 
-    def __call__(self, q_blk, S, z, out=None):
-        f = self.phi_q(q_blk)  # (B, H, n, F)
-        return torch.div(f @ S, self._den(f, z), out=out)
+    def __call__(self, q_blk, S, z, out=None, scratch=None):
+        f = apply_map(self.phi_q, q_blk, scratch)  # (B, H, n, F)
+        num = torch.matmul(f, S, out=scratch_buffer(scratch, "num", (*f.shape[:-1], S.shape[-1])))
+        return torch.div(num, self._den(f, z), out=out)
 
     def _den(self, f, z):
         """φ(q)·z + eps (B, H, n, 1), by vecdot (a matvec in bmm is slow)."""

@@ -205,7 +205,8 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     W, root_s = _features(q, opts, generator).to(q.dtype), math.sqrt(softmax_scale(q, scale))
     W, Wt = W.contiguous(), W.T.contiguous()  # once, not per block
 
-    def phi_k(k_blk, mask):  # causal: c = 0, so no future key sets it; else each block's constant
+    def phi_k(k_blk, mask, scratch=None):  # causal: c = 0, so no future key sets it; else each
+        # block's constant (fresh tensors: _FavorMap takes no scratch)
         return _FavorMap.apply(k_blk, W, Wt, root_s, "none" if causal else "all", mask)
 
     out, _ = kernel_attention(q, k, v, lambda q_blk: _FavorMap.apply(q_blk, W, Wt, root_s, "row", None)[0],
