@@ -34,6 +34,15 @@ def test_equals_full_when_every_query_is_active(causal):
     torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_active_queries_that_see_no_key_get_zero(masked):
+    # causal with Lq = 20 > Lk = 8: queries 0..11 see no key, and u = 15 makes some of them
+    # active; their softmax runs over a row of -inf (SDPA's kernel gives 0 and no gradient)
+    out = check_against_reference("prob_sparse", Lq=20, Lk=8, causal=True, masked=masked,
+                                  options={"factor": 5})
+    assert (out[:, :, :12] == 0).all()
+
+
 def test_lazy_queries_get_the_mean_of_visible_values():
     q, k, v, _ = random_inputs(B=1, H=1, Lq=200, Lk=200, D=4)
     out = attnzoo.attention(q, k, v, mechanism="prob_sparse", causal=True, factor=1,
