@@ -37,7 +37,7 @@ def test_equals_full_when_every_query_is_active(causal):
 @pytest.mark.parametrize("masked", [False, True])
 def test_active_queries_that_see_no_key_get_zero(masked):
     # causal with Lq = 20 > Lk = 8: queries 0..11 see no key, and u = 15 makes some of them
-    # active; their softmax runs over a row of -inf (SDPA's kernel gives 0 and no gradient)
+    # active; their mask row is all False (SDPA's kernel gives 0 and no gradient)
     out = check_against_reference("prob_sparse", Lq=20, Lk=8, causal=True, masked=masked,
                                   options={"factor": 5})
     assert (out[:, :, :12] == 0).all()

@@ -137,14 +137,14 @@ def _active_queries(q, k, opts, *, causal, key_mask, generator):
     return top_queries(M, u)  # (B, H, u)
 
 
-def _active_mask(top, Lq, Lk, causal, key_mask, q):
+def _active_mask(top, Lq, Lk, causal, key_mask):
     """The (B, H, u, Lk) bool mask of the keys each active query, at the positions ``top``
     (B, H, u), may see; None when every query sees every key. (A query that sees no key has a
     row of False: SDPA gives it 0 and no gradient, as the reference.)"""
     if not causal and key_mask is None:
         return None
     last = top + causal_offset(Lq, Lk) if causal else torch.full_like(top, Lk - 1)  # its last key
-    valid = torch.arange(Lk, device=q.device) <= last[..., None]  # (B, H, u, Lk)
+    valid = torch.arange(Lk, device=top.device) <= last[..., None]  # (B, H, u, Lk)
     return valid if key_mask is None else valid & key_mask[:, None, None, :]
 
 
@@ -181,7 +181,7 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     Lk = k.shape[2]
     top = _active_queries(q, k, opts, causal=causal, key_mask=key_mask, generator=generator)
     q_top = torch.gather(q, 2, top[..., None].expand(-1, -1, -1, q.shape[-1]))  # (B, H, u, D)
-    mask = _active_mask(top, Lq, Lk, causal, key_mask, q)  # (B, H, u, Lk) or None
+    mask = _active_mask(top, Lq, Lk, causal, key_mask)  # (B, H, u, Lk) or None
     active_out = F.scaled_dot_product_attention(q_top, k, v, attn_mask=mask, scale=softmax_scale(q, scale))
     out = lazy_values(v, causal=causal, key_mask=key_mask, Lq=Lq, variant=opts.variant)
     rows = top[..., None].expand(-1, -1, -1, v.shape[-1])
