@@ -92,3 +92,48 @@ def test_every_mechanism_runs_in_the_layer(name):
     y = layer(x, key_mask=key_mask)
     assert y.shape == x.shape and torch.isfinite(y).all()
     y.sum().backward()
+
+
+def _grads(layer, x):
+    layer.zero_grad(set_to_none=True)
+    layer._generator = None  # lsh: the same draw each call (reseeded from layer.seed)
+    x = x.detach().requires_grad_(x.requires_grad)
+    y = layer(x)
+    y.backward(torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(3)))
+    return y, [None if t.grad is None else t.grad.clone() for t in (x, *layer.parameters())]
+
+
+@pytest.mark.parametrize("name", ["full", "lsh"])  # lsh: shared QK, two projections
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("frozen", ["none", "x", "q_proj"])
+def test_fused_projections_equal_separate_ones(monkeypatch, name, bias, frozen):
+    """Self-attention in training projects x by one function (dx summed in place); a hook on a
+    projection makes the layer call the modules one by one. Outputs and every gradient agree."""
+    torch.manual_seed(0)
+    layer = attnzoo.MultiheadAttention(12, 3, mechanism=name, bias=bias, causal=True).double()
+    x = torch.randn(2, 8, 12, dtype=torch.float64).requires_grad_(frozen != "x")
+    if frozen == "q_proj":
+        layer.q_proj.requires_grad_(False)
+    nn_mod = __import__("attnzoo.nn", fromlist=["_SharedInputLinear"])
+    calls = []
+    apply = nn_mod._SharedInputLinear.apply
+    monkeypatch.setattr(nn_mod._SharedInputLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    fused_out, fused = _grads(layer, x)
+    assert calls == [1]
+    layer.q_proj.register_forward_hook(lambda module, args, out: None)
+    separate_out, separate = _grads(layer, x)
+    assert calls == [1]  # the hook kept the modules apart
+    torch.testing.assert_close(fused_out, separate_out, atol=0, rtol=0)
+    for a, b in zip(fused, separate, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-13, rtol=1e-12)
+
+
+def test_fused_projections_gradcheck():
+    fn = __import__("attnzoo.nn", fromlist=["_SharedInputLinear"])._SharedInputLinear.apply
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w1, w2 = (torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    b1 = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: fn(*t), (x, w1, b1, w2, None))

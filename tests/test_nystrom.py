@@ -63,3 +63,21 @@ def test_equal_segments_match_the_general_path():
 
 def test_nystrom_gradcheck():
     check_gradcheck("nystrom", masked=True, Lq=6, Lk=7, options={"num_landmarks": 3})
+
+
+def test_equal_segment_means_gradient():
+    """Equal segments take their own backward (the reference shares it): against autograd's
+    mean on x laid out contiguous, as a layer's q (a transposed view) and expanded."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 12, 3, 4, dtype=torch.float64, generator=g)
+    for x in (base.transpose(1, 2).contiguous(), base.transpose(1, 2), base[:1, :1].expand(2, 12, 3, 4)
+              .transpose(1, 2)):
+        x = x.detach().requires_grad_()
+        y = segment_means(x, 4)
+        grad = torch.randn(y.shape, dtype=y.dtype, generator=g)
+        (dx,) = torch.autograd.grad(y, x, grad)
+        plain = x.detach().requires_grad_()
+        (expected,) = torch.autograd.grad(plain.reshape(2, 3, 4, 3, 4).mean(3), plain, grad)
+        torch.testing.assert_close(dx, expected, atol=1e-15, rtol=1e-14)
+    x = base.transpose(1, 2).detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: segment_means(t, 6), (x,))

@@ -30,7 +30,7 @@ def segment_means(x: torch.Tensor, m: int, key_mask: torch.Tensor | None = None)
     L = x.shape[2]
     m = min(m, L)
     if key_mask is None and L % m == 0:  # equal segments: a view (index_add_ is ~5× slower)
-        return x.view(*x.shape[:2], m, L // m, x.shape[-1]).mean(3)
+        return _EqualSegmentMeans.apply(x, m)
     segment = torch.arange(L, device=x.device) * m // L  # segment of each position, 0..m-1
     if key_mask is None:
         counts = torch.bincount(segment, minlength=m).to(x.dtype)[:, None]  # (m, 1)
@@ -40,6 +40,31 @@ def segment_means(x: torch.Tensor, m: int, key_mask: torch.Tensor | None = None)
             1, segment, key_mask.to(x.dtype))[:, None, :, None]  # (B, 1, m, 1): real rows only
     sums = x.new_zeros(*x.shape[:2], m, x.shape[-1]).index_add_(2, segment, x)  # (B, H, m, D)
     return sums / counts.clamp(min=1)
+
+
+class _EqualSegmentMeans(torch.autograd.Function):
+    """x (B, H, L, D) -> (B, H, m, D), the means of m segments of L/m rows, with a backward
+    that writes g/(L/m) to each segment's rows in one pass, into a gradient laid out as x.
+    Through autograd, mean then view made a scaled copy and, for a layer's q (a transposed
+    view), a contiguous clone of it: at L = 16384 a 32 MiB tensor more per training step,
+    faulted in afresh."""
+
+    @staticmethod
+    def forward(x, m):
+        return x.view(*x.shape[:2], m, x.shape[2] // m, x.shape[-1]).mean(3)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, m = inputs
+        ctx.x_meta, ctx.m = torch.empty_like(x, device="meta"), m  # x's shape and strides only
+
+    @staticmethod
+    def backward(ctx, g):
+        meta, m = ctx.x_meta, ctx.m
+        B, H, L, D = meta.shape
+        dx = g.new_empty_strided(meta.shape, meta.stride())  # (B, H, L, D), laid out as x
+        dx.view(B, H, m, L // m, D).copy_((g / (L // m)).unsqueeze(3).expand(B, H, m, L // m, D))
+        return dx, None
 
 
 def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
