@@ -22,17 +22,34 @@ def test_whole_huge_pages_lie_inside_the_tensor(ptr, nbytes, expected):
 
 def test_fresh_empty_advises_a_large_result_and_is_a_plain_tensor(monkeypatch):
     calls = []
-    monkeypatch.setattr(_pages, "_MADVISE", lambda *args: calls.append(args))
+    monkeypatch.setattr(_pages, "_MADVISE", lambda *args: calls.append(args) or 0)
     like = torch.zeros(2, dtype=torch.float64)
     t = fresh_empty(MIN_BYTES // 8 + 3, like=like)
     assert t.shape == (MIN_BYTES // 8 + 3,) and t.dtype == torch.float64
-    (start, length, advice), = calls
-    assert advice == 14 and length >= 2 * HUGE_PAGE
+    (start, length, advice), (start2, length2, populate) = calls
+    assert (advice, populate) == (14, 23) and (start, length) == (start2, length2)  # advise, populate
+    assert length >= 2 * HUGE_PAGE
     assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.numel() * 8
     t.fill_(1.0)  # written whole, as its callers do
     assert t.sum().item() == t.numel()
     fresh_empty(5, like=like)  # small: left to the heap
-    assert len(calls) == 1
+    assert len(calls) == 2
+
+
+def test_fresh_empty_populates_only_advised_huge_pages(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_pages, "_MADVISE", lambda *args: calls.append(args) or -1)  # refused
+    fresh_empty(MIN_BYTES // 4, like=torch.zeros(1)).zero_()
+    assert [advice for *_, advice in calls] == [14]
+
+
+def test_thp_never_reads_the_kernel_setting(tmp_path):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    assert _pages.thp_never(str(setting))
+    setting.write_text("always [madvise] never\n")
+    assert not _pages.thp_never(str(setting))
+    assert not _pages.thp_never(str(tmp_path / "missing"))  # no such file: not known to be off
 
 
 def test_fresh_empty_without_madvise(monkeypatch):
@@ -42,5 +59,6 @@ def test_fresh_empty_without_madvise(monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 def test_libc_madvise_is_found_on_linux():
-    assert _pages._MADVISE is not None
-    fresh_empty(MIN_BYTES // 4, like=torch.zeros(1)).zero_()  # the real call, on a real tensor
+    assert (_pages._MADVISE is None) == _pages.thp_never()  # found, unless THP is off
+    t = fresh_empty(MIN_BYTES // 4, like=torch.zeros(1))  # the real calls, on a real tensor
+    assert t.fill_(2.0).sum().item() == 2 * t.numel()

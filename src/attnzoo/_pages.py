@@ -5,7 +5,10 @@ is first written: at L = 16384 a (1, 8, L, 64) float32 output is 8192 faults, ~1
 benchmark's CPU for a copy of ~2 ms, and every output and gradient of that size pays it.
 Advised as transparent huge pages (Linux's MADV_HUGEPAGE) before it is written, the same
 tensor is faulted in 2 MiB at a time: ~4 ms. torch does this for every allocation when the
-process starts with THP_MEM_ALLOC_ENABLE=1; attnzoo does it for its own large results only.
+process starts with THP_MEM_ALLOC_ENABLE=1; attnzoo does it for its own large results only,
+and then faults the pages in at once from the calling thread (MADV_POPULATE_WRITE, Linux
+5.14+): written by torch's threads together, fresh huge pages took ~50 ms per 32 MiB in a
+process's first allocations on the benchmark's VM (one thread: ~8 ms; populated: 3-8 ms).
 Blocks of a loop write their temporaries into one :class:`Scratch` instead of fresh tensors.
 """
 
@@ -19,11 +22,22 @@ import torch
 HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 MIN_BYTES = 4 * HUGE_PAGE  # smaller results are usually reused from the heap, already faulted in
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL) and the pages fault as written
+
+
+def thp_never(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> bool:
+    """Whether the kernel's transparent huge pages are off ("[never]"): advice would not help,
+    and populating small pages in one call ran slower than faulting them as written."""
+    try:
+        with open(path) as f:
+            return "[never]" in f.read()
+    except OSError:
+        return False
 
 
 def _madvise():
-    """libc's madvise, or None off Linux or where it cannot be found."""
-    if not sys.platform.startswith("linux"):
+    """libc's madvise, or None off Linux, where it cannot be found or where THP is off."""
+    if not sys.platform.startswith("linux") or thp_never():
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -45,13 +59,14 @@ def whole_huge_pages(ptr: int, nbytes: int) -> tuple[int, int]:
 
 def fresh_empty(*shape: int, like: torch.Tensor) -> torch.Tensor:
     """``like.new_empty(shape)``, for a result about to be written whole: on a Linux CPU, when
-    it is at least MIN_BYTES, its whole huge pages are advised as such first. Best effort: the
-    tensor is the same where madvise is missing or refuses (the kernel's THP set to never)."""
+    it is at least MIN_BYTES, its whole huge pages are advised as such and faulted in first
+    (populated, by this thread alone). Best effort: the tensor is the same where madvise is
+    missing or refuses (the kernel's THP set to never, or older than 5.14 for populating)."""
     t = like.new_empty(shape)
     if _MADVISE is not None and t.device.type == "cpu" and t.nbytes >= MIN_BYTES:
         start, length = whole_huge_pages(t.data_ptr(), t.nbytes)
-        if length:
-            _MADVISE(start, length, _MADV_HUGEPAGE)
+        if length and _MADVISE(start, length, _MADV_HUGEPAGE) == 0:
+            _MADVISE(start, length, _MADV_POPULATE_WRITE)
     return t
 
 
