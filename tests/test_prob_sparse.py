@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms.prob_sparse import sample_keys, sizes, top_queries
+from attnzoo.mechanisms.prob_sparse import prefix_sums, sample_keys, sizes, top_queries
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
 
@@ -128,3 +128,15 @@ def test_ties_in_the_measure_go_to_the_earlier_query():
                             options={"factor": 2, "chunk": 1})
     M = torch.tensor([[0.0, 1.0, 0.0, 0.0, -torch.inf]])
     assert top_queries(M, 3).tolist() == [[1, 0, 2]]
+
+
+@pytest.mark.parametrize("L", [1, 31, 32, 33, 100])
+def test_prefix_sums_equal_cumsum(L):
+    """The official causal lazy values: cumsum(V) by chunked triangular matmuls, with and
+    without autograd (which writes into a prepared tensor), and gradcheck."""
+    x = torch.randn(2, 3, L, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(L))
+    with torch.no_grad():
+        torch.testing.assert_close(prefix_sums(x), x.cumsum(2), atol=1e-12, rtol=1e-12)
+    leaf = x.clone().requires_grad_()
+    torch.testing.assert_close(prefix_sums(leaf), x.cumsum(2), atol=1e-12, rtol=1e-12)
+    assert torch.autograd.gradcheck(prefix_sums, (x[:1, :2].clone().requires_grad_(),))

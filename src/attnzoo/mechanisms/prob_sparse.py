@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnzoo._pages import fresh_empty
 from attnzoo.masks import causal_offset, dense_mask, visible_key_count
-from attnzoo.mechanisms._common import softmax_scale
+from attnzoo.mechanisms._common import needs_grad, softmax_scale
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -74,6 +75,26 @@ def top_queries(M: torch.Tensor, u: int) -> torch.Tensor:
     return torch.sort(M, dim=-1, descending=True, stable=True).indices[..., :u]
 
 
+PREFIX_CHUNK = 32  # rows summed by one triangular matmul in :func:`prefix_sums` (64: ~20 % slower)
+
+
+def prefix_sums(x: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(2)`` for x (B, H, L, X), by chunks of PREFIX_CHUNK rows: a lower-triangular
+    matmul of ones within each chunk, then each chunk's total before it (a cumsum over the
+    L/PREFIX_CHUNK chunk totals) added. torch's CPU cumsum along a middle dim is a serial
+    scan: 65 ms for a (1, 8, 16384, 64) float32 V against 6-7 ms this way (13 ms into a tensor
+    that is not populated ahead: under autograd, which takes no ``out=``). Rounding: sums of
+    PREFIX_CHUNK terms, then of chunk totals, instead of one running sum."""
+    L, pad = x.shape[2], -x.shape[2] % PREFIX_CHUNK
+    chunks = (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(2, (-1, PREFIX_CHUNK))  # (B, H, nc, chunk, X)
+    ones = torch.ones(PREFIX_CHUNK, PREFIX_CHUNK, dtype=x.dtype, device=x.device).tril_()
+    out = None if needs_grad(x) else fresh_empty(*chunks.shape, like=x)  # (autograd: no out=)
+    sums = torch.matmul(ones, chunks, out=out)  # (B, H, nc, chunk, X): prefix sums inside each chunk
+    before = sums[:, :, :-1, -1].cumsum(2)  # (B, H, nc − 1, X): the totals of the chunks before
+    sums[:, :, 1:].add_(before.unsqueeze(3))  # (in place: neither product nor cumsum saves its result)
+    return sums.flatten(2, 3)[:, :, :L]
+
+
 def lazy_values(v, *, causal, key_mask, Lq, variant):
     """What lazy queries get: (B, H, Lq, Dv) mean of the visible real values.
 
@@ -86,7 +107,7 @@ def lazy_values(v, *, causal, key_mask, Lq, variant):
     if not causal:
         count = visible_key_count(1, Lk, causal=False, key_mask=key_mask, device=v.device)  # (B|1,1,1)
         return (v.sum(2, keepdim=True) / count[..., None].clamp(min=1)).expand(B, H, Lq, Dv)
-    out = v.cumsum(2)  # (B, H, Lk, Dv): with Lq = Lk, query i's visible prefix is row i
+    out = prefix_sums(v)  # (B, H, Lk, Dv): with Lq = Lk, query i's visible prefix is row i
     if Lq != Lk:
         last = torch.arange(Lq, device=v.device) + causal_offset(Lq, Lk)  # last visible key of each query
         out = out[:, :, last.clamp(0, Lk - 1)] * (last >= 0)[:, None].to(v.dtype)  # (B, H, Lq, Dv)
@@ -191,9 +212,11 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
 
 
 def prob_sparse_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
-    """Sampled scores 2·Lq·U_part·D, then full attention of the u active queries."""
+    """Sampled scores 2·Lq·U_part·D, then full attention of the u active queries; causal, the
+    lazy values' prefix sums too (:func:`prefix_sums`: a chunk × chunk matmul a chunk)."""
     u, U_part = sizes(Lq, Lk, opts.factor)
-    return 2.0 * B * H * (Lq * U_part * D + u * Lk * (D + Dv))
+    prefix = -(-Lk // PREFIX_CHUNK) * PREFIX_CHUNK * PREFIX_CHUNK * Dv if causal else 0
+    return 2.0 * B * H * (Lq * U_part * D + u * Lk * (D + Dv) + prefix)
 
 
 def prob_sparse_reference(q, k, v, opts=ProbSparseOptions(), *, causal=False, key_mask=None,
