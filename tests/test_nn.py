@@ -137,3 +137,18 @@ def test_fused_projections_gradcheck():
     w1, w2 = (torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
     b1 = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *t: fn(*t), (x, w1, b1, w2, None))
+
+
+def test_a_global_module_hook_sees_every_projection():
+    """A hook registered for every module (torch.nn.modules.module.register_module_forward_hook)
+    keeps the projections separate, so it sees each of their calls."""
+    layer = attnzoo.MultiheadAttention(8, 2)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append(module) if isinstance(module, torch.nn.Linear) else None)
+    try:
+        layer(torch.randn(2, 5, 8, requires_grad=True)).sum().backward()
+    finally:
+        handle.remove()
+    projections = (layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj)
+    assert [id(m) for m in seen] == [id(m) for m in projections]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 from attnzoo.registry import attention, get, make_options
 
@@ -222,10 +223,11 @@ def _recurrent_names() -> list[str]:
 
 def _fusable(x: torch.Tensor, projections: list[nn.Module]) -> bool:
     """Whether the projections of ``x`` may run as one :class:`_SharedInputLinear`: a step that
-    differentiates through them, plain ``nn.Linear`` modules without hooks (a subclass or a
-    hook may change what a call does), and no autocast (the function keeps its inputs'
-    dtypes)."""
-    return (torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+    differentiates through them, plain ``nn.Linear`` modules and no hooks, theirs or global
+    (a subclass or a hook may change what a call does, or expect to see it), and no autocast
+    (the function keeps its inputs' dtypes)."""
+    hooked = _module._global_forward_hooks or _module._global_forward_pre_hooks
+    return (torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type) and not hooked
             and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks)
                     for p in projections)
             and (x.requires_grad or any(t.requires_grad for p in projections for t in p.parameters())))
