@@ -54,3 +54,41 @@ def test_layer_owns_e_and_f_for_max_len():
 
 def test_linformer_gradcheck():
     check_gradcheck("linformer", masked=True, Lq=5, Lk=7, options={"proj_len": 3})
+
+
+def _layer_grads(layer, x, memory, key_mask):
+    """The layer's output and the gradients of x, memory (None: self-attention) and its parameters."""
+    layer.zero_grad(set_to_none=True)
+    inputs = [t.detach().requires_grad_() for t in (x, memory) if t is not None]
+    y = layer(*inputs, key_mask=key_mask)
+    y.backward(torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(3)))
+    return y, [t.grad for t in (*inputs, *layer.parameters())]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("share_kv", [True, False])
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("cross", [True, False])
+def test_layer_projects_e_x_first_as_every_key_projected(monkeypatch, bias, share_kv, masked, cross):
+    """The layer computes (E X) W_Kᵀ + (E 1) b_Kᵀ; a hook on k_proj makes it project every key
+    and call the mechanism. Outputs and every gradient agree (E, F: their first Lk columns)."""
+    torch.manual_seed(0)
+    layer = attnzoo.MultiheadAttention(12, 3, mechanism="linformer", proj_len=5, max_len=16, bias=bias,
+                                       share_kv=share_kv).double()
+    x = torch.randn(2, 9, 12, dtype=torch.float64)
+    memory = torch.randn(2, 11, 12, dtype=torch.float64) if cross else None
+    key_mask = None
+    if masked:
+        key_mask = torch.ones(2, 11 if cross else 9, dtype=torch.bool)
+        key_mask[1, 6:] = False
+    calls = []
+    attend = type(layer.extra).attend
+    monkeypatch.setattr(type(layer.extra), "attend", lambda *a: calls.append(1) or attend(*a))
+    fast_out, fast = _layer_grads(layer, x, memory, key_mask)
+    assert calls == [1]
+    layer.k_proj.register_forward_hook(lambda module, args, out: None)
+    plain_out, plain = _layer_grads(layer, x, memory, key_mask)
+    assert calls == [1]  # the hook: every key projected, then the mechanism
+    torch.testing.assert_close(fast_out, plain_out, atol=1e-12, rtol=1e-10)
+    for a, b in zip(fast, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)

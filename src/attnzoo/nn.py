@@ -4,7 +4,11 @@ A mechanism whose layer needs more than the four linear projections declares a
 ``layer_options`` dataclass in its spec (log_sparse's convolution, lsh's shared
 query-key projection, linformer's E/F, performer's random features). Its
 ``build(layer)`` adds or replaces modules once, and the optional
-``forward_options(layer, device)`` gives the extra functional options of a call.
+``forward_options(layer, device)`` gives the extra functional options of a call. The
+optional ``attend(layer, q, memory, key_mask)`` computes the attention output
+(B, H, Lq, Dv) from the projected queries and the unprojected memory, where the
+mechanism can do better than projecting every key (linformer); the layer uses it while
+its key and value projections are plain ``nn.Linear`` modules with no hooks.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class MultiheadAttention(nn.Module):
             - lsh ``shared_qk`` (default True, the paper's setting): the query
               projection serves the keys too (``k_proj`` is None).
             - linformer ``max_len``: E and F are parameters of (proj_len, max_len);
-              shorter inputs use their first columns.
+              shorter inputs use their first columns. Keys and values are
+              computed as (E X) W_Kᵀ and (F X) W_Vᵀ: proj_len rows projected, not L.
             - performer: the random features are a buffer, drawn at
               construction; ``layer.redraw()`` draws new ones.
     """
@@ -176,9 +181,13 @@ class MultiheadAttention(nn.Module):
         """Self-attention over ``x`` or, with ``memory``, cross-attention to it."""
         memory = x if memory is None else memory
         self._check(x, memory)
-        q, k, v = self._qkv(x, memory)
-        out = attention(q, k, v, mechanism=self.mechanism, causal=self.causal, key_mask=key_mask,
-                        generator=self.generator(x.device), **self._call_options(x.device))
+        attend = getattr(self.extra, "attend", None)
+        if attend is not None and _plain([self.k_proj, self.v_proj]):
+            out = attend(self, self._split(self.q_proj(x)), memory, key_mask)
+        else:
+            q, k, v = self._qkv(x, memory)
+            out = attention(q, k, v, mechanism=self.mechanism, causal=self.causal, key_mask=key_mask,
+                            generator=self.generator(x.device), **self._call_options(x.device))
         return self._merge(out)  # (B, Lq, d_model)
 
     def step(self, x: torch.Tensor, state=None):
@@ -221,15 +230,20 @@ def _recurrent_names() -> list[str]:
     return [n for n in mechanisms() if get(n).capabilities.recurrent]
 
 
+def _plain(projections: list[nn.Module]) -> bool:
+    """Whether the projections are plain ``nn.Linear`` modules with no hooks, theirs or global,
+    so that the layer may compute their maps its own way: a subclass or a hook may change what
+    a call does, or expect to see it."""
+    hooked = _module._global_forward_hooks or _module._global_forward_pre_hooks
+    return not hooked and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks)
+                              for p in projections)
+
+
 def _fusable(x: torch.Tensor, projections: list[nn.Module]) -> bool:
     """Whether the projections of ``x`` may run as one :class:`_SharedInputLinear`: a step that
-    differentiates through them, plain ``nn.Linear`` modules and no hooks, theirs or global
-    (a subclass or a hook may change what a call does, or expect to see it), and no autocast
-    (the function keeps its inputs' dtypes)."""
-    hooked = _module._global_forward_hooks or _module._global_forward_pre_hooks
-    return (torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type) and not hooked
-            and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks)
-                    for p in projections)
+    differentiates through them, :func:`_plain` projections, and no autocast (the function keeps
+    its inputs' dtypes)."""
+    return (torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type) and _plain(projections)
             and (x.requires_grad or any(t.requires_grad for p in projections for t in p.parameters())))
 
 
