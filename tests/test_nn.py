@@ -117,17 +117,41 @@ def test_fused_projections_equal_separate_ones(monkeypatch, name, bias, frozen):
     nn_mod = __import__("attnzoo.nn", fromlist=["_SharedInputLinear"])
     calls = []
     apply = nn_mod._SharedInputLinear.apply
-    monkeypatch.setattr(nn_mod._SharedInputLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    monkeypatch.setattr(nn_mod._SharedInputLinear, "apply", lambda *a: calls.append(len(a) // 2) or apply(*a))
     fused_out, fused = _grads(layer, x)
-    assert calls == [1]
+    n_in = 2 if name == "lsh" else 3
+    assert calls == [n_in, 1]  # the input projections in one call, then the output projection
     layer.q_proj.register_forward_hook(lambda module, args, out: None)
     separate_out, separate = _grads(layer, x)
-    assert calls == [1]  # the hook kept the modules apart
+    assert calls == [n_in, 1, 1]  # the hook kept the input projections apart
     torch.testing.assert_close(fused_out, separate_out, atol=0, rtol=0)
     for a, b in zip(fused, separate, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, atol=1e-13, rtol=1e-12)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("cross", [False, True])
+def test_projections_without_grad_equal_the_modules(monkeypatch, bias, cross):
+    """Without grad the layer writes each projection into fresh memory itself (``_linear``); a
+    global module hook makes it call the modules. The outputs agree."""
+    torch.manual_seed(0)
+    layer = attnzoo.MultiheadAttention(12, 3, bias=bias).double()
+    x, memory = torch.randn(2, 7, 12, dtype=torch.float64), torch.randn(2, 5, 12, dtype=torch.float64)
+    nn_mod = __import__("attnzoo.nn", fromlist=["_linear"])
+    calls, linear = [], nn_mod._linear
+    monkeypatch.setattr(nn_mod, "_linear", lambda *a: calls.append(1) or linear(*a))
+    with torch.no_grad():
+        ours = layer(x, memory if cross else None)
+        assert len(calls) == 4  # q, k, v, out
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+        try:
+            modules = layer(x, memory if cross else None)
+        finally:
+            handle.remove()
+    assert len(calls) == 4
+    torch.testing.assert_close(ours, modules, atol=1e-13, rtol=1e-12)
 
 
 def test_fused_projections_gradcheck():

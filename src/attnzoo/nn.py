@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from attnzoo._pages import fresh_empty
 from attnzoo.registry import attention, get, make_options
 
 __all__ = ["CausalConv1d", "MultiheadAttention"]
@@ -152,19 +153,18 @@ class MultiheadAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, memory: torch.Tensor):
         projections = [p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None]
-        if memory is x and _fusable(x, projections):  # self-attention, in training
-            q, *kv = (self._split(t) for t in _SharedInputLinear.apply(
-                x, *(t for p in projections for t in (p.weight, p.bias))))
+        if memory is x:  # self-attention: the projections of one input, in one function
+            q, *kv = (self._split(t) for t in _project(x, projections))
             return q, (q if self.k_proj is None else kv[0]), kv[-1]
-        q = self._split(self.q_proj(x))  # (B, H, Lq, Dh)
-        k = q if self.k_proj is None else self._split(self.k_proj(memory))  # (B, H, Lk, Dh)
-        v = self._split(self.v_proj(memory))  # (B, H, Lk, Dh)
+        q = self._split(_project(x, [self.q_proj])[0])  # (B, H, Lq, Dh)
+        k = q if self.k_proj is None else self._split(_project(memory, [self.k_proj])[0])  # (B, H, Lk, Dh)
+        v = self._split(_project(memory, [self.v_proj])[0])  # (B, H, Lk, Dh)
         return q, k, v
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         B, _, L, _ = out.shape
         out = out.transpose(1, 2).reshape(B, L, self.d_model)  # (B, L, d_model)
-        return self.out_proj(self.dropout(out))
+        return _project(self.dropout(out), [self.out_proj])[0]
 
     def _call_options(self, device) -> dict:
         forward_options = getattr(self.extra, "forward_options", None)
@@ -183,7 +183,7 @@ class MultiheadAttention(nn.Module):
         self._check(x, memory)
         attend = getattr(self.extra, "attend", None)
         if attend is not None and _plain([self.k_proj, self.v_proj]):
-            out = attend(self, self._split(self.q_proj(x)), memory, key_mask)
+            out = attend(self, self._split(_project(x, [self.q_proj])[0]), memory, key_mask)
         else:
             q, k, v = self._qkv(x, memory)
             out = attention(q, k, v, mechanism=self.mechanism, causal=self.causal, key_mask=key_mask,
@@ -239,12 +239,26 @@ def _plain(projections: list[nn.Module]) -> bool:
                               for p in projections)
 
 
-def _fusable(x: torch.Tensor, projections: list[nn.Module]) -> bool:
-    """Whether the projections of ``x`` may run as one :class:`_SharedInputLinear`: a step that
-    differentiates through them, :func:`_plain` projections, and no autocast (the function keeps
-    its inputs' dtypes)."""
-    return (torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type) and _plain(projections)
-            and (x.requires_grad or any(t.requires_grad for p in projections for t in p.parameters())))
+def _project(x: torch.Tensor, projections: list[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """Each projection of ``x`` (B, L, d_in) -> (B, L, d_out): :func:`_plain` ones without
+    autocast (which would change their dtypes) by :class:`_SharedInputLinear`, or without grad
+    by :func:`_linear`, their results in :func:`~attnzoo._pages.fresh_empty` memory; others
+    called as modules."""
+    if torch.is_autocast_enabled(x.device.type) or not _plain(projections):
+        return tuple(p(x) for p in projections)
+    params = [t for p in projections for t in (p.weight, p.bias)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [x, *params]):
+        return _SharedInputLinear.apply(x, *params)
+    return tuple(_linear(x, p.weight, p.bias) for p in projections)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x Wᵀ + b, (B, L, d_in) -> (B, L, d_out), into fresh huge-page memory: at L = 16384 and
+    d_model 512 a 32 MiB result, ~6 ms of 4 KiB page faults on the benchmark's CPU otherwise."""
+    rows = x.reshape(-1, x.shape[-1])  # (B·L, d_in)
+    out = fresh_empty(rows.shape[0], w.shape[0], like=rows)
+    out = torch.mm(rows, w.t(), out=out) if b is None else torch.addmm(b, rows, w.t(), out=out)
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 class _SharedInputLinear(torch.autograd.Function):
@@ -252,12 +266,13 @@ class _SharedInputLinear(torch.autograd.Function):
     None), with a backward that sums their input gradients into one tensor: dx = Σ g_i W_i by
     one matmul and ``addmm_`` in place. Through autograd each product and each partial sum is
     a fresh (B, L, d_model) tensor: at L = 16384 and d_model 512, four more 32 MiB tensors
-    faulted in per training step of self-attention (~30k page faults)."""
+    faulted in per training step of self-attention (~30k page faults). Its results and dx are
+    written into :func:`~attnzoo._pages.fresh_empty` memory (:func:`_linear`)."""
 
     @staticmethod
     def forward(x, *weights_and_biases):
-        return tuple(nn.functional.linear(x, w, b)
-                     for w, b in zip(weights_and_biases[0::2], weights_and_biases[1::2], strict=True))
+        return tuple(_linear(x, w, b) for w, b in zip(weights_and_biases[0::2], weights_and_biases[1::2],
+                                                      strict=True))
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # (apart from forward: torch.func's transforms need it)
@@ -273,7 +288,8 @@ class _SharedInputLinear(torch.autograd.Function):
         for n, (g, w, has_bias) in enumerate(zip(grads, weights, ctx.has_bias, strict=True)):
             g_rows = g.reshape(-1, g.shape[-1])  # (B·L, d_out)
             if ctx.needs_input_grad[0]:
-                dx = g_rows @ w if dx is None else dx.addmm_(g_rows, w)
+                dx = (torch.mm(g_rows, w, out=fresh_empty(g_rows.shape[0], w.shape[1], like=g_rows))
+                      if dx is None else dx.addmm_(g_rows, w))
             d_params.append(g_rows.t() @ x_rows if ctx.needs_input_grad[1 + 2 * n] else None)
             d_params.append(g_rows.sum(0) if has_bias and ctx.needs_input_grad[2 + 2 * n] else None)
         return (None if dx is None else dx.view(x.shape)), *d_params

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnzoo._pages import fresh_empty
 from attnzoo.masks import zero_empty_rows
 from attnzoo.mechanisms._common import softmax_scale
 from attnzoo.mechanisms.full import softmax_reference
@@ -62,7 +63,7 @@ class _EqualSegmentMeans(torch.autograd.Function):
     def backward(ctx, g):
         meta, m = ctx.x_meta, ctx.m
         B, H, L, D = meta.shape
-        dx = g.new_empty_strided(meta.shape, meta.stride())  # (B, H, L, D), laid out as x
+        dx = fresh_empty(*meta.shape, like=g, stride=meta.stride())  # (B, H, L, D), laid out as x
         dx.view(B, H, m, L // m, D).copy_((g / (L // m)).unsqueeze(3).expand(B, H, m, L // m, D))
         return dx, None
 
