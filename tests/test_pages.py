@@ -36,17 +36,17 @@ def test_fresh_empty_advises_a_large_result_and_is_a_plain_tensor(monkeypatch):
     assert len(calls) == 2
 
 
-def test_fresh_empty_with_strides_advises_its_whole_storage(monkeypatch):
-    """Laid out as a transposed (B, H, L, D) view of (B, L, H, D): the storage, not the first
-    row's span, is what is advised."""
+def test_fresh_empty_with_strides_is_laid_out_as_asked_and_advised(monkeypatch):
+    """Laid out as a transposed (B, H, L, D) view of (B, L, H, D), and advised as a contiguous
+    result of its size is."""
     calls = []
     monkeypatch.setattr(_pages, "_MADVISE", lambda *args: calls.append(args) or 0)
     B, H, L, D = 1, 4, MIN_BYTES // (4 * 4 * 16), 16
     t = fresh_empty(B, H, L, D, like=torch.zeros(1), stride=(L * H * D, D, H * D, 1))
     assert t.shape == (B, H, L, D) and t.stride() == (L * H * D, D, H * D, 1)
     (start, length, _), _ = calls
-    assert length >= t.untyped_storage().nbytes() - 2 * HUGE_PAGE
-    assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.untyped_storage().nbytes()
+    assert length >= t.nbytes - 2 * HUGE_PAGE
+    assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.nbytes
 
 
 def test_fresh_empty_populates_only_advised_huge_pages(monkeypatch):

@@ -58,15 +58,14 @@ def whole_huge_pages(ptr: int, nbytes: int) -> tuple[int, int]:
 
 
 def fresh_empty(*shape: int, like: torch.Tensor, stride: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``like.new_empty(shape)`` (``new_empty_strided`` with ``stride``), for a result about to be
-    written whole: on a Linux CPU, when it is at least MIN_BYTES, its whole huge pages are
-    advised as such and faulted in first (populated, by this thread alone). Best effort: the
-    tensor is the same where madvise is missing or refuses (the kernel's THP set to never, or
-    older than 5.14 for populating)."""
+    """``like.new_empty(shape)`` (``new_empty_strided`` with ``stride``, a permutation of a
+    contiguous layout: no gaps), for a result about to be written whole: on a Linux CPU, when
+    it is at least MIN_BYTES, its whole huge pages are advised as such and faulted in first
+    (populated, by this thread alone). Best effort: the tensor is the same where madvise is
+    missing or refuses (the kernel's THP set to never, or older than 5.14 for populating)."""
     t = like.new_empty(shape) if stride is None else like.new_empty_strided(shape, stride)
-    nbytes = t.untyped_storage().nbytes()
-    if _MADVISE is not None and t.device.type == "cpu" and nbytes >= MIN_BYTES:
-        start, length = whole_huge_pages(t.data_ptr(), nbytes)
+    if _MADVISE is not None and t.device.type == "cpu" and t.nbytes >= MIN_BYTES:
+        start, length = whole_huge_pages(t.data_ptr(), t.nbytes)
         if length and _MADVISE(start, length, _MADV_HUGEPAGE) == 0:
             _MADVISE(start, length, _MADV_POPULATE_WRITE)
     return t
