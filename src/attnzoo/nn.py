@@ -157,9 +157,8 @@ class MultiheadAttention(nn.Module):
             q, *kv = (self._split(t) for t in _project(x, projections))
             return q, (q if self.k_proj is None else kv[0]), kv[-1]
         q = self._split(_project(x, [self.q_proj])[0])  # (B, H, Lq, Dh)
-        k = q if self.k_proj is None else self._split(_project(memory, [self.k_proj])[0])  # (B, H, Lk, Dh)
-        v = self._split(_project(memory, [self.v_proj])[0])  # (B, H, Lk, Dh)
-        return q, k, v
+        k, v = (self._split(t) for t in _project(memory, [self.k_proj, self.v_proj]))  # (B, H, Lk, Dh)
+        return q, k, v  # (cross-attention has k_proj: _check refuses shared_qk there)
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         B, _, L, _ = out.shape
