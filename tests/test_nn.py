@@ -117,7 +117,8 @@ def test_fused_projections_equal_separate_ones(monkeypatch, name, bias, frozen):
     nn_mod = __import__("attnzoo.nn", fromlist=["_SharedInputLinear"])
     calls = []
     apply = nn_mod._SharedInputLinear.apply
-    monkeypatch.setattr(nn_mod._SharedInputLinear, "apply", lambda *a: calls.append(len(a) // 2) or apply(*a))
+    monkeypatch.setattr(nn_mod._SharedInputLinear, "apply",
+                        lambda x, n_rows, *ps: calls.append(len(ps) // 2) or apply(x, n_rows, *ps))
     fused_out, fused = _grads(layer, x)
     n_in = 2 if name == "lsh" else 3
     assert calls == [n_in, 1]  # the input projections in one call, then the output projection
@@ -155,12 +156,17 @@ def test_projections_without_grad_equal_the_modules(monkeypatch, bias, cross):
 
 
 def test_fused_projections_gradcheck():
+    """Feature maps (x Wᵀ + b) and row maps (P x, P shared by the batch or one per entry)."""
     fn = __import__("attnzoo.nn", fromlist=["_SharedInputLinear"])._SharedInputLinear.apply
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
     w1, w2 = (torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
     b1 = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *t: fn(*t), (x, w1, b1, w2, None))
+    P = torch.randn(2, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    P_each = torch.randn(2, 2, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: fn(t[0], 0, *t[1:]), (x, w1, b1, w2, None))
+    assert torch.autograd.gradcheck(lambda *t: fn(t[0], 2, *t[1:]), (x, w1, None, P, P_each))
+    assert torch.autograd.gradcheck(lambda *t: fn(t[0], 1, *t[1:]), (x, P))
 
 
 def test_a_global_module_hook_sees_every_projection():

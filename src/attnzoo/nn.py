@@ -5,10 +5,10 @@ A mechanism whose layer needs more than the four linear projections declares a
 query-key projection, linformer's E/F, performer's random features). Its
 ``build(layer)`` adds or replaces modules once, and the optional
 ``forward_options(layer, device)`` gives the extra functional options of a call. The
-optional ``attend(layer, q, memory, key_mask)`` computes the attention output
-(B, H, Lq, Dv) from the projected queries and the unprojected memory, where the
-mechanism can do better than projecting every key (linformer); the layer uses it while
-its key and value projections are plain ``nn.Linear`` modules with no hooks.
+optional ``attend(layer, x, memory, key_mask)`` computes the attention output
+(B, H, Lq, Dv) from the unprojected inputs, where the mechanism can do better than
+projecting every key (linformer); the layer uses it while its key and value projections
+are plain ``nn.Linear`` modules with no hooks.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class MultiheadAttention(nn.Module):
         self._check(x, memory)
         attend = getattr(self.extra, "attend", None)
         if attend is not None and _plain([self.k_proj, self.v_proj]):
-            out = attend(self, self._split(_project(x, [self.q_proj])[0]), memory, key_mask)
+            out = attend(self, x, memory, key_mask)
         else:
             q, k, v = self._qkv(x, memory)
             out = attention(q, k, v, mechanism=self.mechanism, causal=self.causal, key_mask=key_mask,
@@ -238,17 +238,19 @@ def _plain(projections: list[nn.Module]) -> bool:
                               for p in projections)
 
 
-def _project(x: torch.Tensor, projections: list[nn.Module]) -> tuple[torch.Tensor, ...]:
-    """Each projection of ``x`` (B, L, d_in) -> (B, L, d_out): :func:`_plain` ones without
-    autocast (which would change their dtypes) by :class:`_SharedInputLinear`, or without grad
-    by :func:`_linear`, their results in :func:`~attnzoo._pages.fresh_empty` memory; others
+def _project(x: torch.Tensor, projections: list[nn.Module], row_maps=()) -> tuple[torch.Tensor, ...]:
+    """Each projection of ``x`` (B, L, d_in) -> (B, L, d_out), then each row map P, (p, L) or
+    (B, p, L), applied along the positions: P x (B, p, d_in) (linformer's E X). :func:`_plain`
+    projections without autocast (which would change their dtypes) go through
+    :class:`_SharedInputLinear` (one input gradient for all the maps), or without grad through
+    :func:`_linear`, their results in :func:`~attnzoo._pages.fresh_empty` memory; others are
     called as modules."""
     if torch.is_autocast_enabled(x.device.type) or not _plain(projections):
-        return tuple(p(x) for p in projections)
+        return *(p(x) for p in projections), *(torch.matmul(P, x) for P in row_maps)
     params = [t for p in projections for t in (p.weight, p.bias)]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in [x, *params]):
-        return _SharedInputLinear.apply(x, *params)
-    return tuple(_linear(x, p.weight, p.bias) for p in projections)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in [x, *params, *row_maps]):
+        return _SharedInputLinear.apply(x, len(row_maps), *params, *row_maps)
+    return *(_linear(x, p.weight, p.bias) for p in projections), *(torch.matmul(P, x) for P in row_maps)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -261,37 +263,77 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 
 class _SharedInputLinear(torch.autograd.Function):
-    """Linear maps of one input, ``x W_iᵀ + b_i`` for each (W_i, b_i) given in turn (b_i may be
-    None), with a backward that sums their input gradients into one tensor: dx = Σ g_i W_i by
-    one matmul and ``addmm_`` in place. Through autograd each product and each partial sum is
-    a fresh (B, L, d_model) tensor: at L = 16384 and d_model 512, four more 32 MiB tensors
-    faulted in per training step of self-attention (~30k page faults). Its results and dx are
-    written into :func:`~attnzoo._pages.fresh_empty` memory (:func:`_linear`)."""
+    """Linear maps of one input x (B, L, d_in): ``x W_iᵀ + b_i`` for each (W_i, b_i) given in
+    turn (b_i may be None), then ``P_j x`` for each of the last ``n_rows`` tensors P_j (p, L)
+    or (B, p, L), with a backward that sums their input gradients into one tensor,
+    dx = Σ g_i W_i + Σ P_jᵀ g_j, by one matmul and ``addmm_`` in place. Through autograd each
+    product and each partial sum is a fresh (B, L, d_in) tensor: at L = 16384 and d_model 512,
+    32 MiB tensors faulted in afresh, four more per training step of self-attention (~30k page
+    faults); linformer's q, E X and F X took 103-108 ms for their dx that way, 61 ms in one.
+    Its results and dx are written into :func:`~attnzoo._pages.fresh_empty` memory
+    (:func:`_linear`)."""
 
     @staticmethod
-    def forward(x, *weights_and_biases):
-        return tuple(_linear(x, w, b) for w, b in zip(weights_and_biases[0::2], weights_and_biases[1::2],
-                                                      strict=True))
+    def forward(x, n_rows, *tensors):
+        params, row_maps = _split_maps(tensors, n_rows)
+        return (*(_linear(x, w, b) for w, b in zip(params[0::2], params[1::2], strict=True)),
+                *(torch.matmul(P, x) for P in row_maps))
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # (apart from forward: torch.func's transforms need it)
-        x, *weights_and_biases = inputs
-        ctx.save_for_backward(x, *weights_and_biases[0::2])
-        ctx.has_bias = [b is not None for b in weights_and_biases[1::2]]
+        x, n_rows, *tensors = inputs
+        params, row_maps = _split_maps(tensors, n_rows)
+        ctx.save_for_backward(x, *params[0::2], *row_maps)
+        ctx.has_bias, ctx.n_rows = [b is not None for b in params[1::2]], n_rows
 
     @staticmethod
     def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
+        weights, row_maps = _split_maps(saved, ctx.n_rows)
         x_rows = x.reshape(-1, x.shape[-1])  # (B·L, d_in)
-        dx, d_params = None, []
-        for n, (g, w, has_bias) in enumerate(zip(grads, weights, ctx.has_bias, strict=True)):
+        needs = ctx.needs_input_grad[2:]  # (x, n_rows, then the tensors)
+        dx, d_params, d_rows = None, [], []
+        for n, (g, w, has_bias) in enumerate(zip(grads[:len(weights)], weights, ctx.has_bias, strict=True)):
             g_rows = g.reshape(-1, g.shape[-1])  # (B·L, d_out)
             if ctx.needs_input_grad[0]:
                 dx = (torch.mm(g_rows, w, out=fresh_empty(g_rows.shape[0], w.shape[1], like=g_rows))
                       if dx is None else dx.addmm_(g_rows, w))
-            d_params.append(g_rows.t() @ x_rows if ctx.needs_input_grad[1 + 2 * n] else None)
-            d_params.append(g_rows.sum(0) if has_bias and ctx.needs_input_grad[2 + 2 * n] else None)
-        return (None if dx is None else dx.view(x.shape)), *d_params
+            d_params.append(g_rows.t() @ x_rows if needs[2 * n] else None)
+            d_params.append(g_rows.sum(0) if has_bias and needs[2 * n + 1] else None)
+        for P, g, need in zip(row_maps, grads[len(weights):], needs[2 * len(weights):], strict=True):
+            if ctx.needs_input_grad[0]:
+                dx = _add_row_map_input_grad(dx, P, g, x)
+            d_rows.append(_row_map_grad(P, g, x) if need else None)
+        return (None if dx is None else dx.view(x.shape)), None, *d_params, *d_rows
+
+
+def _split_maps(tensors, n_rows: int):
+    """(the projections' tensors, the last n_rows: the row maps)."""
+    cut = len(tensors) - n_rows
+    return list(tensors[:cut]), list(tensors[cut:])
+
+
+def _add_row_map_input_grad(dx, P, g, x):
+    """dx (B·L, d_in) += Pᵀ g, batch entry by batch entry, in place (written into fresh memory
+    when dx is None); P (p, L) or (B, p, L), g (B, p, d_in), x (B, L, d_in)."""
+    B, L, d_in = x.shape
+    fresh = dx is None
+    if fresh:
+        dx = fresh_empty(B * L, d_in, like=x)
+    for b, dx_b in enumerate(dx.view(B, L, d_in)):
+        P_b = P if P.dim() == 2 else P[b]
+        torch.mm(P_b.t(), g[b], out=dx_b) if fresh else dx_b.addmm_(P_b.t(), g[b])
+    return dx
+
+
+def _row_map_grad(P, g, x):
+    """d P of P x: g xᵀ, summed over the batch where P (p, L) is shared by it."""
+    if P.dim() == 3:
+        return g @ x.transpose(1, 2)  # (B, p, L)
+    dP = g[0] @ x[0].t()  # (p, L)
+    for b in range(1, x.shape[0]):
+        dP.addmm_(g[b], x[b].t())
+    return dP
 
 
 def causal_conv_projection(layer: MultiheadAttention, kernel_size: int) -> None:

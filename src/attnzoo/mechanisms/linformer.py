@@ -105,29 +105,33 @@ class LinformerLayerOptions:
     def forward_options(self, layer, device) -> dict:
         return {"proj_k": layer.proj_k, "proj_v": layer.proj_v}
 
-    def attend(self, layer, q, memory, key_mask):
+    def attend(self, layer, x, memory, key_mask):
         """The layer's attention, with E and F applied before the key and value projections:
         E(X W_Kᵀ + 1 b_Kᵀ) = (E X) W_Kᵀ + (E 1) b_Kᵀ, the paper's E_i K W_i^K read from the left.
         Of the keys' and values' projections only proj_len rows are computed, not Lk: at
         Lk = 16384, proj_len 256 and d_model 512 the layer's forward needs 1/3 fewer FLOPs.
-        Padded keys are zeroed before projecting, as in :func:`linformer_attention`: E's
-        columns of padding are zeroed instead.
+        In self-attention q, E X and F X come from one function, whose backward sums x's
+        three gradients in place. Padded keys are zeroed before projecting, as in
+        :func:`linformer_attention`: E's columns of padding are zeroed instead.
 
-        q (B, H, Lq, Dh) projected; memory (B, Lk, d_model); key_mask (B, Lk) or None.
-        Returns (B, H, Lq, Dh).
+        x (B, Lq, d_model), memory (B, Lk, d_model) (x itself in self-attention), key_mask
+        (B, Lk) or None. Returns (B, H, Lq, Dh).
         """
+        from attnzoo.nn import _project
+
         opts = LinformerOptions(**layer._call_options(memory.device))
         E, F_ = projections(opts, memory.shape[1], memory, None)
-        shared = F_ is E
         if key_mask is not None:
             keep = key_mask[:, None, :].to(memory.dtype)  # (B, 1, Lk)
-            E = E * keep  # (B, proj_len, Lk)
-            F_ = E if shared else F_ * keep
-        EX = E @ memory  # (B, proj_len, d_model)
-        FX = EX if shared else F_ @ memory
-        k, v = (layer._split(_linear_of_rows(P, PX, proj)) for P, PX, proj in
-                ((E, EX, layer.k_proj), (F_, FX, layer.v_proj)))
-        return attention(q, k, v, mechanism="full")
+            E, F_ = E * keep, (None if F_ is E else F_ * keep)  # (B, proj_len, Lk)
+        row_maps = [E] if F_ is None or F_ is E else [E, F_]
+        if memory is x:
+            q, *PX = _project(x, [layer.q_proj], row_maps)  # (B, Lq, d_model), (B, proj_len, d_model)
+        else:
+            q, PX = _project(x, [layer.q_proj])[0], _project(memory, [], row_maps)
+        k, v = (layer._split(_linear_of_rows(P, PX_, proj)) for P, PX_, proj in
+                ((row_maps[0], PX[0], layer.k_proj), (row_maps[-1], PX[-1], layer.v_proj)))
+        return attention(layer._split(q), k, v, mechanism="full")
 
 
 def _linear_of_rows(P, PX, linear):
