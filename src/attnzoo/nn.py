@@ -321,8 +321,11 @@ def _add_row_map_input_grad(dx, P, g, x):
     if fresh:
         dx = fresh_empty(B * L, d_in, like=x)
     for b, dx_b in enumerate(dx.view(B, L, d_in)):
-        P_b = P if P.dim() == 2 else P[b]
-        torch.mm(P_b.t(), g[b], out=dx_b) if fresh else dx_b.addmm_(P_b.t(), g[b])
+        P_b = P if P.dim() == 2 else P[b]  # (p, L)
+        if fresh:
+            torch.mm(P_b.t(), g[b], out=dx_b)
+        else:
+            dx_b.addmm_(P_b.t(), g[b])
     return dx
 
 
