@@ -82,8 +82,8 @@ def test_layer_projects_e_x_first_as_every_key_projected(monkeypatch, bias, shar
         key_mask = torch.ones(2, 11 if cross else 9, dtype=torch.bool)
         key_mask[1, 6:] = False
     calls = []
-    attend = type(layer.extra).attend
-    monkeypatch.setattr(type(layer.extra), "attend", lambda *a: calls.append(1) or attend(*a))
+    forward = type(layer.extra).forward
+    monkeypatch.setattr(type(layer.extra), "forward", lambda *a: calls.append(1) or forward(*a))
     fast_out, fast = _layer_grads(layer, x, memory, key_mask)
     assert calls == [1]
     layer.k_proj.register_forward_hook(lambda module, args, out: None)
@@ -92,3 +92,31 @@ def test_layer_projects_e_x_first_as_every_key_projected(monkeypatch, bias, shar
     torch.testing.assert_close(fast_out, plain_out, atol=1e-12, rtol=1e-10)
     for a, b in zip(fast, plain, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("cross", [True, False])
+def test_layer_without_grad_in_query_blocks_equals_training_forward(monkeypatch, bias, masked, cross):
+    """Without grad the layer attends and projects out blocks of query rows (3 blocks of 4, 4
+    and 1 here); its output equals the training forward's, which takes every query at once."""
+    nn_mod = __import__("attnzoo.nn", fromlist=["QUERY_BLOCK"])
+    monkeypatch.setattr(nn_mod, "QUERY_BLOCK", 4)
+    torch.manual_seed(0)
+    layer = attnzoo.MultiheadAttention(12, 3, mechanism="linformer", proj_len=5, max_len=16,
+                                       bias=bias).double()
+    x = torch.randn(2, 9, 12, dtype=torch.float64)
+    memory = torch.randn(2, 11, 12, dtype=torch.float64) if cross else None
+    key_mask = None
+    if masked:
+        key_mask = torch.ones(2, 11 if cross else 9, dtype=torch.bool)
+        key_mask[1, 6:] = False
+    blocks, joined = [], nn_mod.MultiheadAttention._heads_joined
+    monkeypatch.setattr(nn_mod.MultiheadAttention, "_heads_joined",
+                        lambda self, out: blocks.append(out.shape[2]) or joined(self, out))
+    with torch.no_grad():
+        inference = layer(x, memory, key_mask=key_mask)
+    assert blocks == [4, 4, 1]
+    training = layer(x.requires_grad_(), memory, key_mask=key_mask)
+    assert blocks == [4, 4, 1, 9]
+    torch.testing.assert_close(inference, training.detach(), atol=1e-13, rtol=1e-12)

@@ -5,8 +5,8 @@ A mechanism whose layer needs more than the four linear projections declares a
 query-key projection, linformer's E/F, performer's random features). Its
 ``build(layer)`` adds or replaces modules once, and the optional
 ``forward_options(layer, device)`` gives the extra functional options of a call. The
-optional ``attend(layer, x, memory, key_mask)`` computes the attention output
-(B, H, Lq, Dv) from the unprojected inputs, where the mechanism can do better than
+optional ``forward(layer, x, memory, key_mask)`` computes the layer's output
+(B, Lq, d_model) from the unprojected inputs, where the mechanism can do better than
 projecting every key (linformer); the layer uses it while its key and value projections
 are plain ``nn.Linear`` modules with no hooks.
 """
@@ -24,6 +24,8 @@ from attnzoo._pages import fresh_empty
 from attnzoo.registry import attention, get, make_options
 
 __all__ = ["CausalConv1d", "MultiheadAttention"]
+
+QUERY_BLOCK = 1024  # query rows per block of MultiheadAttention.in_query_blocks
 
 
 def _field_names(options_type) -> list[str]:
@@ -161,9 +163,32 @@ class MultiheadAttention(nn.Module):
         return q, k, v  # (cross-attention has k_proj: _check refuses shared_qk there)
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
+        return _project(self._heads_joined(out), [self.out_proj])[0]
+
+    def _heads_joined(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, Dh) -> (B, L, d_model), dropout applied: the output projection's input."""
         B, _, L, _ = out.shape
-        out = out.transpose(1, 2).reshape(B, L, self.d_model)  # (B, L, d_model)
-        return _project(self.dropout(out), [self.out_proj])[0]
+        return self.dropout(out.transpose(1, 2).reshape(B, L, self.d_model))
+
+    def in_query_blocks(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The layer's output (B, Lq, d_model) from ``attend(x_rows)`` (B, H, n, Dh), the attention
+        of some query rows x_rows (B, n, d_model) of x, where each query's output depends on its
+        own row only. Without autograd, and with plain query and output projections, block by
+        block of QUERY_BLOCK rows, each block's output projected into its rows of the result:
+        the blocks' temporaries come from the heap again and again, where the (B, Lq, ·)
+        tensors of one pass were in some processes faulted in afresh on every call (linformer
+        at L = 4096: 6-8k page faults and 43-53 ms a call, against none and ~37 ms in blocks).
+        Otherwise ``attend(x)`` at once."""
+        if (torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
+                or not _plain([self.q_proj, self.out_proj])):
+            return self._merge(attend(x))
+        w, b = self.out_proj.weight, self.out_proj.bias
+        out = fresh_empty(*x.shape[:2], w.shape[0], like=x)  # (B, Lq, d_model)
+        for s in range(0, x.shape[1], QUERY_BLOCK):
+            joined = self._heads_joined(attend(x[:, s:s + QUERY_BLOCK]))  # (B, n, d_model)
+            for out_rows, rows in zip(out[:, s:s + QUERY_BLOCK], joined, strict=True):  # (n, ·) each
+                _linear_into(out_rows, rows, w, b)
+        return out
 
     def _call_options(self, device) -> dict:
         forward_options = getattr(self.extra, "forward_options", None)
@@ -180,13 +205,12 @@ class MultiheadAttention(nn.Module):
         """Self-attention over ``x`` or, with ``memory``, cross-attention to it."""
         memory = x if memory is None else memory
         self._check(x, memory)
-        attend = getattr(self.extra, "attend", None)
-        if attend is not None and _plain([self.k_proj, self.v_proj]):
-            out = attend(self, x, memory, key_mask)
-        else:
-            q, k, v = self._qkv(x, memory)
-            out = attention(q, k, v, mechanism=self.mechanism, causal=self.causal, key_mask=key_mask,
-                            generator=self.generator(x.device), **self._call_options(x.device))
+        forward = getattr(self.extra, "forward", None)
+        if forward is not None and _plain([self.k_proj, self.v_proj]):
+            return forward(self, x, memory, key_mask)
+        q, k, v = self._qkv(x, memory)
+        out = attention(q, k, v, mechanism=self.mechanism, causal=self.causal, key_mask=key_mask,
+                        generator=self.generator(x.device), **self._call_options(x.device))
         return self._merge(out)  # (B, Lq, d_model)
 
     def step(self, x: torch.Tensor, state=None):
@@ -257,9 +281,13 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     """x Wᵀ + b, (B, L, d_in) -> (B, L, d_out), into fresh huge-page memory: at L = 16384 and
     d_model 512 a 32 MiB result, ~5 ms of 4 KiB page faults on the benchmark's CPU otherwise."""
     rows = x.reshape(-1, x.shape[-1])  # (B·L, d_in)
-    out = fresh_empty(rows.shape[0], w.shape[0], like=rows)
-    out = torch.mm(rows, w.t(), out=out) if b is None else torch.addmm(b, rows, w.t(), out=out)
+    out = _linear_into(fresh_empty(rows.shape[0], w.shape[0], like=rows), rows, w, b)
     return out.view(*x.shape[:-1], w.shape[0])
+
+
+def _linear_into(out: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """rows Wᵀ + b, (n, d_in) -> (n, d_out), written into ``out`` (contiguous)."""
+    return torch.mm(rows, w.t(), out=out) if b is None else torch.addmm(b, rows, w.t(), out=out)
 
 
 class _SharedInputLinear(torch.autograd.Function):

@@ -105,17 +105,19 @@ class LinformerLayerOptions:
     def forward_options(self, layer, device) -> dict:
         return {"proj_k": layer.proj_k, "proj_v": layer.proj_v}
 
-    def attend(self, layer, x, memory, key_mask):
-        """The layer's attention, with E and F applied before the key and value projections:
+    def forward(self, layer, x, memory, key_mask):
+        """The layer's output, with E and F applied before the key and value projections:
         E(X W_Kᵀ + 1 b_Kᵀ) = (E X) W_Kᵀ + (E 1) b_Kᵀ, the paper's E_i K W_i^K read from the left.
         Of the keys' and values' projections only proj_len rows are computed, not Lk: at
         Lk = 16384, proj_len 256 and d_model 512 the layer's forward needs 1/3 fewer FLOPs.
-        In self-attention q, E X and F X come from one function, whose backward sums x's
-        three gradients in place. Padded keys are zeroed before projecting, as in
-        :func:`linformer_attention`: E's columns of padding are zeroed instead.
+        Training self-attention takes q, E X and F X from one function, whose backward sums
+        x's three gradients in place; otherwise the queries go through
+        ``layer.in_query_blocks`` (each query attends to the same proj_len keys). Padded keys
+        are zeroed before projecting, as in :func:`linformer_attention`: E's columns of
+        padding are zeroed instead.
 
         x (B, Lq, d_model), memory (B, Lk, d_model) (x itself in self-attention), key_mask
-        (B, Lk) or None. Returns (B, H, Lq, Dh).
+        (B, Lk) or None. Returns (B, Lq, d_model).
         """
         from attnzoo.nn import _project
 
@@ -125,13 +127,14 @@ class LinformerLayerOptions:
             keep = key_mask[:, None, :].to(memory.dtype)  # (B, 1, Lk)
             E, F_ = E * keep, (None if F_ is E else F_ * keep)  # (B, proj_len, Lk)
         row_maps = [E] if F_ is None or F_ is E else [E, F_]
-        if memory is x:
-            q, *PX = _project(x, [layer.q_proj], row_maps)  # (B, Lq, d_model), (B, proj_len, d_model)
-        else:
-            q, PX = _project(x, [layer.q_proj])[0], _project(memory, [], row_maps)
+        fused = memory is x and torch.is_grad_enabled()
+        q, *PX = _project(x, [layer.q_proj], row_maps) if fused else (None, *_project(memory, [], row_maps))
         k, v = (layer._split(_linear_of_rows(P, PX_, proj)) for P, PX_, proj in
                 ((row_maps[0], PX[0], layer.k_proj), (row_maps[-1], PX[-1], layer.v_proj)))
-        return attention(layer._split(q), k, v, mechanism="full")
+        if fused:
+            return layer._merge(attention(layer._split(q), k, v, mechanism="full"))
+        return layer.in_query_blocks(x, lambda rows: attention(
+            layer._split(_project(rows, [layer.q_proj])[0]), k, v, mechanism="full"))
 
 
 def _linear_of_rows(P, PX, linear):
