@@ -65,13 +65,9 @@ def _layer_grads(layer, x, memory, key_mask):
     return y, [t.grad for t in (*inputs, *layer.parameters())]
 
 
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("share_kv", [True, False])
-@pytest.mark.parametrize("masked", [True, False])
-@pytest.mark.parametrize("cross", [True, False])
-def test_layer_projects_e_x_first_as_every_key_projected(monkeypatch, bias, share_kv, masked, cross):
-    """The layer computes (E X) W_Kᵀ + (E 1) b_Kᵀ; a hook on k_proj makes it project every key
-    and call the mechanism. Outputs and every gradient agree (E, F: their first Lk columns)."""
+def _layer_and_inputs(bias, share_kv, masked, cross):
+    """A float64 linformer layer (d_model 12, 3 heads, proj_len 5, max_len 16), x (2, 9, 12), memory
+    (2, 11, 12) or None, and a key mask with padding in the second batch entry or None."""
     torch.manual_seed(0)
     layer = attnzoo.MultiheadAttention(12, 3, mechanism="linformer", proj_len=5, max_len=16, bias=bias,
                                        share_kv=share_kv).double()
@@ -81,6 +77,17 @@ def test_layer_projects_e_x_first_as_every_key_projected(monkeypatch, bias, shar
     if masked:
         key_mask = torch.ones(2, 11 if cross else 9, dtype=torch.bool)
         key_mask[1, 6:] = False
+    return layer, x, memory, key_mask
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("share_kv", [True, False])
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("cross", [True, False])
+def test_layer_projects_e_x_first_as_every_key_projected(monkeypatch, bias, share_kv, masked, cross):
+    """The layer computes (E X) W_Kᵀ + (E 1) b_Kᵀ; a hook on k_proj makes it project every key
+    and call the mechanism. Outputs and every gradient agree (E, F: their first Lk columns)."""
+    layer, x, memory, key_mask = _layer_and_inputs(bias, share_kv, masked, cross)
     calls = []
     forward = type(layer.extra).forward
     monkeypatch.setattr(type(layer.extra), "forward", lambda *a: calls.append(1) or forward(*a))
@@ -102,15 +109,7 @@ def test_layer_without_grad_in_query_blocks_equals_training_forward(monkeypatch,
     and 1 here); its output equals the training forward's, which takes every query at once."""
     nn_mod = __import__("attnzoo.nn", fromlist=["QUERY_BLOCK"])
     monkeypatch.setattr(nn_mod, "QUERY_BLOCK", 4)
-    torch.manual_seed(0)
-    layer = attnzoo.MultiheadAttention(12, 3, mechanism="linformer", proj_len=5, max_len=16,
-                                       bias=bias).double()
-    x = torch.randn(2, 9, 12, dtype=torch.float64)
-    memory = torch.randn(2, 11, 12, dtype=torch.float64) if cross else None
-    key_mask = None
-    if masked:
-        key_mask = torch.ones(2, 11 if cross else 9, dtype=torch.bool)
-        key_mask[1, 6:] = False
+    layer, x, memory, key_mask = _layer_and_inputs(bias, False, masked, cross)
     blocks, joined = [], nn_mod.MultiheadAttention._heads_joined
     monkeypatch.setattr(nn_mod.MultiheadAttention, "_heads_joined",
                         lambda self, out: blocks.append(out.shape[2]) or joined(self, out))
