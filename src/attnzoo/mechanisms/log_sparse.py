@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnzoo._pages import Scratch, fresh_empty, scratch_buffer
 from attnzoo.mechanisms._common import SCORES_PER_CHUNK, pad_to, pattern_reference, softmax_scale, to_frame
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -93,9 +94,9 @@ class _Offsets:
             e = min(self.N, s + rows)
             yield s, e, [slice(self.reach - d + s, self.reach - d + e) for d in self.offsets]
 
-    def weights(self, q_blk, k_pad, s, e, shifted):
+    def weights(self, q_blk, k_pad, s, e, shifted, scratch=None):
         """(B, H, n, n_offsets) softmax over the offsets of the block's queries; rows with no key 0."""
-        scores = torch.stack([torch.linalg.vecdot(q_blk, k_pad[:, :, t]) for t in shifted], -1)
+        scores = _offset_dots(q_blk, k_pad, shifted, scratch, "scores")
         i = torch.arange(s, e, device=q_blk.device)[:, None]
         j = i - torch.tensor(self.offsets, device=q_blk.device)  # (n, n_offsets) key positions
         valid = (j >= 0) & (j < self.N)
@@ -105,16 +106,34 @@ class _Offsets:
             valid = valid & self.key_valid[:, j.clamp(0, self.N - 1)][:, None]  # (B, 1, n, n_offsets)
         return masked_softmax(scores, valid)
 
-    def forward(self, q, k_pad, v_pad):
+    def forward(self, q, k_pad, v_pad, scratch=None):
+        """(B, H, N, Dv), block by block; the blocks' temporaries in ``scratch`` if given (not
+        under autograd)."""
         B, H, N, D = q.shape
-        out = q.new_empty(B, H, N, v_pad.shape[-1])
+        out = fresh_empty(B, H, N, v_pad.shape[-1], like=q)
         for s, e, shifted in self.blocks(B, H, D):
-            w = self.weights(q[:, :, s:e], k_pad, s, e, shifted)
-            block = w[..., 0, None] * v_pad[:, :, shifted[0]]  # (B, H, n, Dv)
+            w = self.weights(q[:, :, s:e], k_pad, s, e, shifted, scratch)
+            block = torch.mul(w[..., 0, None], v_pad[:, :, shifted[0]],
+                              out=scratch_buffer(scratch, "block", (B, H, e - s, v_pad.shape[-1])))
             for n, t in enumerate(shifted[1:], 1):
                 block = block.addcmul_(w[..., n, None], v_pad[:, :, t])
             out[:, :, s:e] = block
         return out
+
+
+def _offset_dots(a, b_pad, shifted, scratch, name):
+    """(B, H, n, n_offsets): a · b_pad[:, :, t] over the features, for each offset's rows t. With
+    a scratch, the products go into one reused buffer and the dots into the scratch's ``name``:
+    ``torch.linalg.vecdot`` makes a fresh (B, H, n, D) product each call, at L = 16384 ~0.5 GiB
+    of them a forward, which in some processes were faulted in afresh (70k-280k page faults,
+    most of a 175-450 ms forward in kernel time). Without one (autograd), fresh tensors."""
+    if scratch is None:
+        return torch.stack([torch.linalg.vecdot(a, b_pad[:, :, t]) for t in shifted], -1)
+    dots = scratch(name, (len(shifted), *a.shape[:-1]))  # (n_offsets, B, H, n)
+    prod = scratch("prod", a.shape)  # (B, H, n, D)
+    for dot, t in zip(dots, shifted, strict=True):
+        torch.sum(torch.mul(a, b_pad[:, :, t], out=prod), -1, out=dot)
+    return dots.permute(1, 2, 3, 0)
 
 
 class _OffsetAttention(torch.autograd.Function):
@@ -126,17 +145,18 @@ class _OffsetAttention(torch.autograd.Function):
     def forward(ctx, q, k_pad, v_pad, plan):
         ctx.save_for_backward(q, k_pad, v_pad)
         ctx.plan = plan
-        return plan.forward(q, k_pad, v_pad)
+        return plan.forward(q, k_pad, v_pad, Scratch(q))
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k_pad, v_pad = ctx.saved_tensors
         plan = ctx.plan
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k_pad), torch.zeros_like(v_pad)
+        scratch = Scratch(q)
         for s, e, shifted in plan.blocks(*q.shape[:2], q.shape[-1]):
             q_blk, g = q[:, :, s:e], grad_out[:, :, s:e]
-            w = plan.weights(q_blk, k_pad, s, e, shifted)  # (B, H, n, n_offsets)
-            dw = torch.stack([torch.linalg.vecdot(g, v_pad[:, :, t]) for t in shifted], -1)
+            w = plan.weights(q_blk, k_pad, s, e, shifted, scratch)  # (B, H, n, n_offsets)
+            dw = _offset_dots(g, v_pad, shifted, scratch, "dw")
             ds = w * (dw - (w * dw).sum(-1, keepdim=True))  # softmax backward
             dq_blk = ds[..., 0, None] * k_pad[:, :, shifted[0]]
             for n, t in enumerate(shifted):
