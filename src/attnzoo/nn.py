@@ -274,7 +274,14 @@ def _project(x: torch.Tensor, projections: list[nn.Module], row_maps=()) -> tupl
     params = [t for p in projections for t in (p.weight, p.bias)]
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in [x, *params, *row_maps]):
         return _SharedInputLinear.apply(x, len(row_maps), *params, *row_maps)
-    return *(_linear(x, p.weight, p.bias) for p in projections), *(torch.matmul(P, x) for P in row_maps)
+    return _maps(x, params, row_maps)
+
+
+def _maps(x: torch.Tensor, params, row_maps) -> tuple[torch.Tensor, ...]:
+    """x Wᵀ + b by :func:`_linear` for each (W, b) in ``params`` (flat: W, b, W, b, ...), then
+    P x for each row map P: the maps of :func:`_project`, without autograd."""
+    return (*(_linear(x, w, b) for w, b in zip(params[0::2], params[1::2], strict=True)),
+            *(torch.matmul(P, x) for P in row_maps))
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -303,9 +310,7 @@ class _SharedInputLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, n_rows, *tensors):
-        params, row_maps = _split_maps(tensors, n_rows)
-        return (*(_linear(x, w, b) for w, b in zip(params[0::2], params[1::2], strict=True)),
-                *(torch.matmul(P, x) for P in row_maps))
+        return _maps(x, *_split_maps(tensors, n_rows))
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # (apart from forward: torch.func's transforms need it)
