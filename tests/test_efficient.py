@@ -39,3 +39,23 @@ def test_causal_is_refused_with_the_reason():
 
 def test_efficient_gradcheck():
     check_gradcheck("efficient", masked=True, Lq=5, Lk=7)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_saturated_softmaxes_stay_exact(masked):
+    """Scores far beyond exp's range (|q|, |k| ~ 1e3): the row shift the forward saves for the
+    backward's softmax and the keys' column max keep every exponential finite; outputs and
+    gradients equal the dense reference's."""
+    q, k, v, km = random_inputs(B=2, H=3, Lq=9, Lk=11, D=8, masked=masked)
+    q, k = (1000 * t.detach() for t in (q, k))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    km = km if masked else None
+    fast = attnzoo.attention(q, k, v, mechanism="efficient", key_mask=km)
+    ref = attnzoo.attention(q, k, v, mechanism="efficient", key_mask=km, reference=True)
+    torch.testing.assert_close(fast, ref, atol=1e-10, rtol=1e-8)
+    g = torch.randn_like(fast)
+    for got, want in zip(torch.autograd.grad(fast, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g),
+                         strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7)

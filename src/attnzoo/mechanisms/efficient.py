@@ -6,22 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo._pages import scratch_buffer
-from attnzoo.mechanisms._common import exp_, finite_or_zero
-from attnzoo.mechanisms.linear import PlainKeyMap, PointwiseMap, _no_scale, stream_kernel
+from attnzoo._pages import Scratch, fresh_empty
+from attnzoo.mechanisms._common import LOG2E, finite_or_zero, needs_grad, wide
+from attnzoo.mechanisms.linear import _key_blocks, _no_scale, stream_rows
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
 @dataclass(frozen=True)
 class EfficientOptions:
     """Efficient attention has no options."""
-
-
-def _column_max(k, key_mask):
-    """c (B, H, 1, D): each feature's max over the real keys (0 where there is none). A constant
-    (detached): the column softmax does not depend on it, it only keeps exp(k − c) <= 1."""
-    real = k.detach() if key_mask is None else k.detach().masked_fill(~key_mask[:, None, :, None], -torch.inf)
-    return finite_or_zero(real.amax(2, keepdim=True))
 
 
 def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_mask=None,
@@ -35,35 +28,113 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     the column softmax normalises over every position, future included, and the
     paper gives no causal form. Shen et al., Efficient Attention: Attention with
     Linear Complexities, WACV 2021.
+
+    Streamed over blocks of positions (:func:`~attnzoo.mechanisms.linear.stream_rows`): the
+    keys give E = exp(K − c) block by block (c each feature's max over the real keys) and
+    G = EᵀV / colsum(E) (B, H, D, Dv); then each query block's exponentials, its row sums
+    and one product, out = exp(q − max) G / rowsum. Both exponentials are 2^(log2 e·x): torch's
+    softmax ran at about half that speed on this CPU, and copied each strided block first.
+    Training recomputes the blocks in the backward (:class:`_Efficient`): no (L, D) tensor is
+    kept but the inputs.
     """
     _no_scale("efficient", scale)
-    c = _column_max(k, key_mask)  # one pass over K, so the key blocks need no rescaling
-    key_map = PointwiseMap(lambda k_blk, scratch=None: exp_(torch.sub(
-        k_blk, c, out=scratch_buffer(scratch, "phi", k_blk.shape))), lambda phi: phi,
-        takes_scratch=True)  # (c a constant)
-    return stream_kernel(q, k, v, PlainKeyMap(key_map), _RowSoftmax(), key_mask=key_mask)
+    out_dtype, (q, k, v) = q.dtype, (wide(t) for t in (q, k, v))  # half precision: float32 inside
+    if needs_grad(q, k, v):
+        return _Efficient.apply(q, k, v, key_mask).to(out_dtype)
+    return _forward(q, k, v, key_mask, Scratch(q))[0].to(out_dtype)
 
 
-class _RowSoftmax:
-    """The finish of :func:`efficient_attention` (see :func:`stream_kernel`): a query block's
-    σ_row(q) (S / z), S / z = σ_col(K)ᵀV (B, H, D, Dv), and its backward written out:
-    with p = σ_row(q) and G = S / z, dp = g Gᵀ, dq = p ⊙ (dp − p·dp), dG = pᵀ g,
-    dS = dG / z, dz = −Σ_v dG ⊙ G / z (0 where z is clamped: no real key)."""
+def _column_max(k, key_mask):
+    """c (B, H, 1, D): each feature's max over the real keys (0 where there is none). A constant
+    (detached): the column softmax does not depend on it, it only keeps exp(k − c) <= 1."""
+    real = k.detach() if key_mask is None else k.detach().masked_fill(~key_mask[:, None, :, None], -torch.inf)
+    return finite_or_zero(real.amax(2, keepdim=True))
 
-    def __call__(self, q_blk, S, z, out=None, scratch=None):
-        p = torch.softmax(q_blk, dim=-1)  # (B, H, n, D)
-        o = torch.matmul(p, S / _clamped(z), out=scratch_buffer(scratch, "num", (*p.shape[:-1], S.shape[-1])))
-        return o if out is None else out.copy_(o)  # (a matmul into out ran slower)
 
-    def grad(self, q_blk, g, S, z):
-        p = torch.softmax(q_blk, dim=-1)  # (B, H, n, D)
+def _key_weights(k_blk, mask, c2, scratch):
+    """E = exp(k − c) of a key block (B, H, n, D), 0 for padded keys, into ``scratch``;
+    ``c2`` = −c·log2 e."""
+    e = torch.add(c2, k_blk, alpha=LOG2E, out=scratch("e_k", k_blk.shape)).exp2_()
+    return e if mask is None else e.masked_fill_(~mask[:, None, :, None], 0.0)
+
+
+def _row_weights(q_blk, scratch):
+    """(e, s): e = exp(q − max) of a query block over its features (B, H, n, D), and its row
+    sums s (B, H, n, 1), both into ``scratch``, and the row shift t = −(max + log s)·log2 e
+    (B, H, n, 1, fresh), with which σ_row(q) = 2^(q·log2 e + t) (:func:`_row_softmax`)."""
+    shape = (*q_blk.shape[:-1], 1)
+    top = torch.amax(q_blk, -1, keepdim=True, out=scratch("top", shape)).mul_(-LOG2E)
+    e = torch.add(top, q_blk, alpha=LOG2E, out=scratch("e_q", q_blk.shape)).exp2_()
+    s = torch.sum(e, -1, keepdim=True, out=scratch("s", shape))
+    return e, s, top - s.log2()
+
+
+def _row_softmax(q_blk, shift, scratch):
+    """σ_row(q) of a query block (B, H, n, D) from its row shift (:func:`_row_weights`), into
+    ``scratch``: two passes, where the softmax takes five."""
+    return torch.add(shift, q_blk, alpha=LOG2E, out=scratch("e_q", q_blk.shape)).exp2_()
+
+
+def _forward(q, k, v, key_mask, scratch):
+    """(out, G, z, c2, shift): G = EᵀV / z (B, H, D, Dv) with z = colsum(E) (B, H, D), c2 = −c·log2 e,
+    and the queries' row shifts (B, H, Lq, 1) (:func:`_row_weights`; for the backward)."""
+    rows = stream_rows(q)
+    c2 = _column_max(k, key_mask).mul_(-LOG2E)  # (B, H, 1, D)
+    S = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1])  # (B, H, D, Dv)
+    z = q.new_zeros(*q.shape[:2], 1, q.shape[-1])  # (B, H, 1, D)
+    for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
+        e = _key_weights(k_blk, mask, c2, scratch)
+        S.add_(e.transpose(-1, -2) @ v_blk)  # (D × Dv products: small)
+        z.add_(e.sum(2, keepdim=True))
+    z = z.squeeze(2)  # (B, H, D)
+    G = S.div_(_clamped(z))
+    out = fresh_empty(*q.shape[:3], v.shape[-1], like=q)
+    shift = q.new_empty(*q.shape[:3], 1)  # (B, H, Lq, 1)
+    for start in range(0, q.shape[2], rows):
+        at = slice(start, start + rows)
+        e, s, shift[:, :, at] = _row_weights(q[:, :, at], scratch)
+        torch.div(torch.matmul(e, G, out=scratch("num", out[:, :, at].shape)), s, out=out[:, :, at])
+    return out, G, z, c2, shift
+
+
+class _Efficient(torch.autograd.Function):
+    """Efficient attention with its backward written out, block by block, from the saved
+    inputs and G, z, c: with p = σ_row(q), dp = g Gᵀ, dq = p ⊙ (dp − p·dp), dG = Σ pᵀ g;
+    dS = dG / z, dz = −Σ_v dG ⊙ G / z (0 where z is clamped: no real key); then per key
+    block dE = v dSᵀ + dz, dk = E ⊙ dE (c is a constant: the softmax does not depend on
+    it), dv = E dS. dq, dk and dv are written block by block into their results."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask):
+        out, G, z, c2, shift = _forward(q, k, v, key_mask, Scratch(q))
+        ctx.save_for_backward(q, k, v, key_mask, G, z, c2, shift)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, key_mask, G, z, c2, shift = ctx.saved_tensors
+        scratch, rows = Scratch(q), stream_rows(q)
+        dq, dk, dv = (fresh_empty(*t.shape, like=t) for t in (q, k, v))
+        dG = torch.zeros_like(G)  # (B, H, D, Dv)
+        for start in range(0, q.shape[2], rows):
+            at = slice(start, start + rows)
+            p = _row_softmax(q[:, :, at], shift[:, :, at], scratch)  # (B, H, n, D)
+            dp = torch.matmul(grad[:, :, at], G.transpose(-1, -2), out=scratch("dp", p.shape))
+            dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1))
+            torch.mul(dp, p, out=dq[:, :, at])
+            dG.add_(p.transpose(-1, -2) @ grad[:, :, at])
         zc = _clamped(z)  # (B, H, D, 1)
-        G = S / zc
-        dp = g @ G.transpose(-1, -2)  # (B, H, n, D)
-        dq = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p)  # (no graph: autograd cost more)
-        dG = p.transpose(-1, -2) @ g  # (B, H, D, Dv)
-        dz = torch.where(z == zc.squeeze(-1), -torch.linalg.vecdot(dG, G) / z, 0.0)
-        return dq, dG.div_(zc), dz
+        dz = torch.where(z == zc.squeeze(-1), -torch.linalg.vecdot(dG, G) / z, 0.0)  # (B, H, D)
+        dS_t = dG.div_(zc).transpose(-1, -2)  # dSᵀ (B, H, Dv, D)
+        start = 0
+        for k_blk, v_blk, mask in _key_blocks(k, v, key_mask, rows):
+            at = slice(start, start + k_blk.shape[2])
+            start = at.stop
+            e = _key_weights(k_blk, mask, c2, scratch)
+            d_e = torch.matmul(v_blk, dS_t, out=scratch("d_e", e.shape)).add_(dz.unsqueeze(2))
+            torch.mul(d_e, e, out=dk[:, :, at])
+            dv[:, :, at] = torch.matmul(e, dS_t.transpose(-1, -2), out=scratch("dv", v_blk.shape))
+        return dq, dk, dv, None
 
 
 def _clamped(z):
@@ -75,9 +146,8 @@ def efficient_reference(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
                         scale=None, generator=None):
     """Dense: the (Lq, Lk) matrix σ_row(Q) σ_col(K)ᵀ applied to V."""
     _no_scale("efficient", scale)
-    sk = torch.exp(k - k.amax(2, keepdim=True))
-    if key_mask is not None:
-        sk = sk * key_mask[:, None, :, None].to(sk.dtype)
+    real = k if key_mask is None else k.masked_fill(~key_mask[:, None, :, None], -torch.inf)
+    sk = torch.exp(real - finite_or_zero(real.amax(2, keepdim=True)))  # padded keys: e^−inf = 0
     sk = sk / sk.sum(2, keepdim=True).clamp(min=torch.finfo(sk.dtype).tiny)
     weights = torch.softmax(q, dim=-1) @ sk.transpose(-1, -2)  # (B, H, Lq, Lk)
     return weights @ v
