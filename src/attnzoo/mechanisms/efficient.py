@@ -59,25 +59,24 @@ def _key_weights(k_blk, mask, c2, scratch):
 
 
 def _row_weights(q_blk, scratch):
-    """(e, s): e = exp(q − max) of a query block over its features (B, H, n, D), and its row
-    sums s (B, H, n, 1), both into ``scratch``, and the row shift t = −(max + log s)·log2 e
-    (B, H, n, 1, fresh), with which σ_row(q) = 2^(q·log2 e + t) (:func:`_row_softmax`)."""
+    """(e, s, t): e = exp(q − max) of a query block over its features (B, H, n, D), its row
+    sums s and t = −max·log2 e (B, H, n, 1), into ``scratch``."""
     shape = (*q_blk.shape[:-1], 1)
     top = torch.amax(q_blk, -1, keepdim=True, out=scratch("top", shape)).mul_(-LOG2E)
     e = torch.add(top, q_blk, alpha=LOG2E, out=scratch("e_q", q_blk.shape)).exp2_()
-    s = torch.sum(e, -1, keepdim=True, out=scratch("s", shape))
-    return e, s, top - s.log2()
+    return e, torch.sum(e, -1, keepdim=True, out=scratch("s", shape)), top
 
 
 def _row_softmax(q_blk, shift, scratch):
-    """σ_row(q) of a query block (B, H, n, D) from its row shift (:func:`_row_weights`), into
-    ``scratch``: two passes, where the softmax takes five."""
+    """σ_row(q) = 2^(q·log2 e + shift) of a query block (B, H, n, D), its row shift saved by
+    the forward (:func:`_forward`), into ``scratch``: two passes, where the softmax takes five."""
     return torch.add(shift, q_blk, alpha=LOG2E, out=scratch("e_q", q_blk.shape)).exp2_()
 
 
-def _forward(q, k, v, key_mask, scratch):
+def _forward(q, k, v, key_mask, scratch, keep_shift=False):
     """(out, G, z, c2, shift): G = EᵀV / z (B, H, D, Dv) with z = colsum(E) (B, H, D), c2 = −c·log2 e,
-    and the queries' row shifts (B, H, Lq, 1) (:func:`_row_weights`; for the backward)."""
+    and with ``keep_shift`` (for the backward; else None) the queries' row shifts
+    −(max + log s)·log2 e (B, H, Lq, 1), by which σ_row(q) = 2^(q·log2 e + shift)."""
     rows = stream_rows(q)
     c2 = _column_max(k, key_mask).mul_(-LOG2E)  # (B, H, 1, D)
     S = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1])  # (B, H, D, Dv)
@@ -89,11 +88,13 @@ def _forward(q, k, v, key_mask, scratch):
     z = z.squeeze(2)  # (B, H, D)
     G = S.div_(_clamped(z))
     out = fresh_empty(*q.shape[:3], v.shape[-1], like=q)
-    shift = q.new_empty(*q.shape[:3], 1)  # (B, H, Lq, 1)
+    shift = q.new_empty(*q.shape[:3], 1) if keep_shift else None  # (B, H, Lq, 1)
     for start in range(0, q.shape[2], rows):
         at = slice(start, start + rows)
-        e, s, shift[:, :, at] = _row_weights(q[:, :, at], scratch)
+        e, s, top = _row_weights(q[:, :, at], scratch)
         torch.div(torch.matmul(e, G, out=scratch("num", out[:, :, at].shape)), s, out=out[:, :, at])
+        if shift is not None:
+            torch.sub(top, s.log2_(), out=shift[:, :, at])  # (s is spent)
     return out, G, z, c2, shift
 
 
@@ -106,7 +107,7 @@ class _Efficient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask):
-        out, G, z, c2, shift = _forward(q, k, v, key_mask, Scratch(q))
+        out, G, z, c2, shift = _forward(q, k, v, key_mask, Scratch(q), keep_shift=True)
         ctx.save_for_backward(q, k, v, key_mask, G, z, c2, shift)
         return out
 
