@@ -4,7 +4,9 @@ the mechanisms pass (full, broadcast over batch and heads, over keys, per key, n
 import pytest
 import torch
 
-from attnzoo.mechanisms._common import exp_, minus_inf_where_not_, partial_softmax, window_partial
+from attnzoo.mechanisms import _common
+from attnzoo.mechanisms._common import FewQueries, exp_, minus_inf_where_not_, partial_softmax, window_partial
+from attnzoo.mechanisms.full import softmax_reference
 
 
 def _plain(scores, valid, v):
@@ -94,3 +96,34 @@ def test_minus_inf_where_not_is_the_masked_fill(dtype):
         valid.view(-1)[:1] = False
         expected = t.masked_fill(~valid, float("-inf"))
         assert torch.equal(minus_inf_where_not_(t.clone(), valid), expected)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_few_queries_backward_matches_the_reference(monkeypatch, masked):
+    """FewQueries' key-blocked backward against the plain softmax's in float64: keys over several
+    blocks and a partial last one, k and v laid out as a layer's (views of (B, L, H, ·)), their
+    gradients laid out (B, L, H, ·) too; masked: a random mask with a query that sees no key
+    (0 and no gradient); gradcheck with blocks of 4 keys."""
+    monkeypatch.setattr(_common, "KEY_BLOCK", 64)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g).requires_grad_()
+    kv = torch.randn(2, 150, 3, 16, dtype=torch.float64, generator=g)
+    k, v = (t.transpose(1, 2).detach().requires_grad_() for t in kv.split(8, -1))
+    valid = None
+    if masked:
+        valid = torch.rand(2, 3, 5, 150, generator=g) < 0.3
+        valid[1, 2, 4] = False
+    out = FewQueries.apply(q, k, v, valid, 0.3)[0]
+    expected = softmax_reference(q, k, v, valid, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-14, rtol=1e-12)
+    grad = torch.randn(out.shape, dtype=out.dtype, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    for got, want, t in zip(grads, torch.autograd.grad(expected, (q, k, v), grad), (q, k, v), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-12)
+        assert got.transpose(1, 2).is_contiguous() if t is not q else got.is_contiguous()
+    if masked:
+        assert (out[1, 2, 4] == 0).all() and (grads[0][1, 2, 4] == 0).all()
+    monkeypatch.setattr(_common, "KEY_BLOCK", 4)
+    small = [t[:1, :2, :9].detach().requires_grad_() for t in (q, k, v)]
+    small_valid = None if valid is None else valid[:1, :2, :, :9]
+    assert torch.autograd.gradcheck(lambda *t: FewQueries.apply(*t, small_valid, 0.5)[0], small)

@@ -3,8 +3,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms import nystrom
-from attnzoo.mechanisms.nystrom import _FewQueries, iterative_pinv, pinv_times, segment_means
+from attnzoo.mechanisms._common import FewQueries
+from attnzoo.mechanisms.nystrom import iterative_pinv, pinv_times, segment_means
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
 
@@ -84,30 +84,8 @@ def test_equal_segment_means_gradient():
     assert torch.autograd.gradcheck(lambda t: segment_means(t, 6), (x,))
 
 
-def test_few_queries_backward_matches_sdpa(monkeypatch):
-    """kernel_3's key-blocked backward against SDPA's in float64: keys over several blocks and a
-    partial last one, k and v laid out as a layer's (views of (B, L, H, ·)), their gradients
-    laid out (B, L, H, ·) too; gradcheck with blocks of 4 keys."""
-    monkeypatch.setattr(nystrom, "KEY_BLOCK", 64)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g).requires_grad_()
-    kv = torch.randn(2, 150, 3, 16, dtype=torch.float64, generator=g)
-    k, v = (t.transpose(1, 2).detach().requires_grad_() for t in kv.split(8, -1))
-    out = _FewQueries.apply(q, k, v, 0.3)[0]
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.3)
-    torch.testing.assert_close(out, expected, atol=1e-14, rtol=1e-12)
-    grad = torch.randn(out.shape, dtype=out.dtype, generator=g)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    for got, want, t in zip(grads, torch.autograd.grad(expected, (q, k, v), grad), (q, k, v), strict=True):
-        torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-12)
-        assert got.transpose(1, 2).is_contiguous() if t is not q else got.is_contiguous()
-    monkeypatch.setattr(nystrom, "KEY_BLOCK", 4)
-    small = [t[:1, :2, :9].detach().requires_grad_() for t in (q, k, v)]
-    assert torch.autograd.gradcheck(lambda *t: _FewQueries.apply(*t, 0.5)[0], small)
-
-
 def test_nystrom_unmasked_gradcheck_takes_the_few_queries_backward(monkeypatch):
-    calls, apply = [], _FewQueries.apply
-    monkeypatch.setattr(_FewQueries, "apply", lambda *a: calls.append(1) or apply(*a))
+    calls, apply = [], FewQueries.apply
+    monkeypatch.setattr(FewQueries, "apply", lambda *a: calls.append(1) or apply(*a))
     check_gradcheck("nystrom", Lq=6, Lk=7, options={"num_landmarks": 3})
     assert calls

@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
+from attnzoo.mechanisms._common import FewQueries
 from attnzoo.mechanisms.prob_sparse import prefix_sums, sample_keys, sizes, top_queries
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
@@ -101,12 +102,15 @@ def test_padding_keys_take_no_part():
     assert torch.isfinite(full_idx).all()
 
 
-def test_prob_sparse_gradcheck():
+def test_prob_sparse_gradcheck(monkeypatch):
     # Selection (top-u of M) is piecewise constant, so gradcheck needs inputs away from ties in M:
     # seed 0 of the masked causal case has early queries that see one key each (M = 0, tied),
     # where finite differences flip the choice. Seed 1 has no such tie.
+    masks, apply = [], FewQueries.apply  # the active queries' backward by key blocks, masked and not
+    monkeypatch.setattr(FewQueries, "apply", lambda *a: masks.append(a[3]) or apply(*a))  # a[3]: valid
     check_gradcheck("prob_sparse", causal=True, masked=True, Lq=8, Lk=8, seed=1, options={"factor": 1})
     check_gradcheck("prob_sparse", Lq=9, Lk=6, options={"factor": 1})
+    assert any(m is not None for m in masks) and any(m is None for m in masks)
 
 
 def test_connectivity_marks_active_rows():
@@ -133,10 +137,17 @@ def test_ties_in_the_measure_go_to_the_earlier_query():
 @pytest.mark.parametrize("L", [1, 31, 32, 33, 100])
 def test_prefix_sums_equal_cumsum(L):
     """The official causal lazy values: cumsum(V) by chunked triangular matmuls, with and
-    without autograd (which writes into a prepared tensor), and gradcheck."""
+    without autograd; under autograd the backward's suffix sums equal cumsum's gradient, the
+    result takes in-place writes (as prob_sparse's active rows), and gradcheck."""
     x = torch.randn(2, 3, L, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(L))
     with torch.no_grad():
         torch.testing.assert_close(prefix_sums(x), x.cumsum(2), atol=1e-12, rtol=1e-12)
     leaf = x.clone().requires_grad_()
-    torch.testing.assert_close(prefix_sums(leaf), x.cumsum(2), atol=1e-12, rtol=1e-12)
+    out = prefix_sums(leaf)
+    torch.testing.assert_close(out, x.cumsum(2), atol=1e-12, rtol=1e-12)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    rows = torch.zeros(2, 3, 1, 5, dtype=torch.long)
+    expected = torch.autograd.grad(leaf.cumsum(2).scatter(2, rows, 0.0), leaf, g)[0]
+    torch.testing.assert_close(torch.autograd.grad(out.scatter_(2, rows, 0.0), leaf, g)[0], expected,
+                               atol=1e-12, rtol=1e-12)
     assert torch.autograd.gradcheck(prefix_sums, (x[:1, :2].clone().requires_grad_(),))

@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from attnzoo._pages import fresh_empty
 from attnzoo.masks import zero_empty_rows
-from attnzoo.mechanisms._common import exp_, fused_kernel_fits, needs_grad, softmax_scale
+from attnzoo.mechanisms._common import FewQueries, fused_kernel_fits, needs_grad, softmax_scale
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -142,54 +141,11 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
 
 def _landmark_queries(q_l, k, v, mask, s):
     """softmax(Q̃ Kᵀ·s) V (B, H, m, Dv): SDPA, or under autograd (no mask, float32 or float64,
-    Dv = D) :class:`_FewQueries`, the same forward with a backward over key blocks."""
+    Dv = D) :class:`~attnzoo.mechanisms._common.FewQueries`, the same forward with a backward
+    over key blocks."""
     if mask is None and needs_grad(q_l, k, v) and fused_kernel_fits(q_l, k, v):
-        return _FewQueries.apply(q_l, k, v, s)[0]
+        return FewQueries.apply(q_l, k, v, None, s)[0]
     return F.scaled_dot_product_attention(q_l, k, v, attn_mask=mask, scale=s)
-
-
-KEY_BLOCK = 512  # keys per block of _FewQueries' backward: (B, H, m, 512) products, 4 MiB at m = 256
-
-
-class _FewQueries(torch.autograd.Function):
-    """softmax(Q̃ Kᵀ·s) V for m queries over Lk >> m keys: torch's fused CPU kernel forward
-    (returning its log-sum-exp too), and a backward over blocks of KEY_BLOCK keys, each
-    block's P = exp(s Q̃ K_bᵀ − lse) recomputed: dV_b = Pᵀ g, dS = P ⊙ (g V_bᵀ − Σ_v g ⊙ O),
-    dQ̃ += s dS K_b, dK_b = s dSᵀ Q̃. dK and dV are written block by block, once, into
-    :func:`~attnzoo._pages.fresh_empty` memory laid out as K and V; SDPA's own backward
-    zero-fills both first (at Lk = 16384 in a layer, two 32 MiB tensors faulted in) and
-    accumulates into them. Measured for 256 queries, 8 heads, Lk = 16384: fwd+bwd 227-245 ms
-    against SDPA's 252-258; equal at Lk = 4096."""
-
-    @staticmethod
-    def forward(q, k, v, scale):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
-        return out, lse  # (B, H, m, Dv), (B, H, m)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # (apart from forward: torch.func's transforms need it)
-        q, k, v, ctx.scale = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.mark_non_differentiable(output[1])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g, _):
-        q, k, v, out, lse = ctx.saved_tensors
-        qs = q * ctx.scale  # (B, H, m, D)
-        row = torch.linalg.vecdot(g, out).unsqueeze(-1)  # (B, H, m, 1)
-        dq = torch.zeros_like(q)
-        dk, dv = (fresh_empty(*t.shape, like=t, stride=torch.empty_like(t, device="meta").stride())
-                  for t in (k, v))
-        for j in range(0, k.shape[2], KEY_BLOCK):
-            keys = slice(j, j + KEY_BLOCK)
-            k_b, v_b = k[:, :, keys], v[:, :, keys]  # (B, H, n, D), (B, H, n, Dv)
-            p = exp_(torch.matmul(qs, k_b.transpose(-1, -2)).sub_(lse.unsqueeze(-1)))  # (B, H, m, n)
-            dv[:, :, keys] = p.transpose(-1, -2) @ g
-            ds = torch.matmul(g, v_b.transpose(-1, -2)).sub_(row).mul_(p)  # (B, H, m, n)
-            dq.add_(ds @ k_b)
-            dk[:, :, keys] = ds.transpose(-1, -2) @ qs
-        return dq.mul_(ctx.scale), dk, dv, None
 
 
 def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=None, scale=None,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from attnzoo._pages import fresh_empty
 from attnzoo.masks import causal_offset, dense_mask, visible_key_count
-from attnzoo.mechanisms._common import needs_grad, softmax_scale
+from attnzoo.mechanisms._common import FewQueries, fused_kernel_fits, needs_grad, softmax_scale
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -82,17 +82,41 @@ def prefix_sums(x: torch.Tensor) -> torch.Tensor:
     """``x.cumsum(2)`` for x (B, H, L, X), by chunks of PREFIX_CHUNK rows: a lower-triangular
     matmul of ones within each chunk, then each chunk's total before it (a cumsum over the
     L/PREFIX_CHUNK chunk totals) added. torch's CPU cumsum along a middle dim is a serial
-    scan: 65 ms for a (1, 8, 16384, 64) float32 V against 6-7 ms this way (13 ms into a tensor
-    that is not populated ahead: under autograd, which takes no ``out=``). Rounding: sums of
-    PREFIX_CHUNK terms, then of chunk totals, instead of one running sum."""
+    scan: 65 ms for a (1, 8, 16384, 64) float32 V against 6-7 ms this way. Rounding: sums of
+    PREFIX_CHUNK terms, then of chunk totals, instead of one running sum. Under autograd
+    :class:`_PrefixSums`, whose backward is the same with the upper triangle."""
+    return _PrefixSums.apply(x) if needs_grad(x) else _chunked_sums(x)
+
+
+class _PrefixSums(torch.autograd.Function):
+    """:func:`prefix_sums` with its backward, the gradient's suffix sums, written out: autograd
+    through the product and the in-place add cloned the whole gradient and zero-filled another
+    (prob_sparse's causal training step at L = 16384: ~40 ms of ~400)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _chunked_sums(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunked_sums(grad, reverse=True)
+
+
+def _chunked_sums(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """Prefix sums of x (B, H, L, X) along the positions (``reverse``: suffix sums, Σ_{j >= i}) by
+    chunks (see :func:`prefix_sums`), into one populated result, not a view (callers may
+    write into it under autograd)."""
     L, pad = x.shape[2], -x.shape[2] % PREFIX_CHUNK
     chunks = (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(2, (-1, PREFIX_CHUNK))  # (B, H, nc, chunk, X)
-    ones = torch.ones(PREFIX_CHUNK, PREFIX_CHUNK, dtype=x.dtype, device=x.device).tril_()
-    out = None if needs_grad(x) else fresh_empty(*chunks.shape, like=x)  # (autograd: no out=)
-    sums = torch.matmul(ones, chunks, out=out)  # (B, H, nc, chunk, X): prefix sums inside each chunk
-    before = sums[:, :, :-1, -1].cumsum(2)  # (B, H, nc − 1, X): the totals of the chunks before
-    sums[:, :, 1:].add_(before.unsqueeze(3))  # (in place: neither product nor cumsum saves its result)
-    return sums.flatten(2, 3)[:, :, :L]
+    ones = torch.ones(PREFIX_CHUNK, PREFIX_CHUNK, dtype=x.dtype, device=x.device)
+    ones = ones.triu_() if reverse else ones.tril_()
+    out = fresh_empty(*x.shape[:2], L + pad, x.shape[-1], like=x)
+    sums = torch.matmul(ones, chunks, out=out.unflatten(2, chunks.shape[2:4]))  # sums inside each chunk
+    if reverse:  # the totals of the chunks after: (B, H, nc − 1, X)
+        sums[:, :, :-1].add_(sums[:, :, 1:, 0].flip(2).cumsum(2).flip(2).unsqueeze(3))
+    else:  # the totals of the chunks before
+        sums[:, :, 1:].add_(sums[:, :, :-1, -1].cumsum(2).unsqueeze(3))
+    return out[:, :, :L].clone() if pad else out
 
 
 def lazy_values(v, *, causal, key_mask, Lq, variant):
@@ -205,7 +229,11 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     top = _active_queries(q, k, opts, causal=causal, key_mask=key_mask, generator=generator)
     q_top = torch.gather(q, 2, top[..., None].expand(-1, -1, -1, q.shape[-1]))  # (B, H, u, D)
     mask = _active_mask(top, Lq, Lk, causal, key_mask)  # (B, H, u, Lk) or None
-    active_out = F.scaled_dot_product_attention(q_top, k, v, attn_mask=mask, scale=softmax_scale(q, scale))
+    s = softmax_scale(q, scale)
+    if needs_grad(q, k, v) and fused_kernel_fits(q, k, v):  # SDPA's forward, a backward by key blocks
+        active_out = FewQueries.apply(q_top, k, v, mask, s)[0]
+    else:
+        active_out = F.scaled_dot_product_attention(q_top, k, v, attn_mask=mask, scale=s)
     out = lazy_values(v, causal=causal, key_mask=key_mask, Lq=Lq, variant=opts.variant)
     rows = top[..., None].expand(-1, -1, -1, v.shape[-1])
     if causal:  # a fresh tensor that autograd does not need again: overwrite the active rows in place
