@@ -202,9 +202,10 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
     Cost: O(Lq·U_part·D + u·Lk·D) time, O(Lq + u·Lk + Lk·Dv) memory per head: the
     sampled scores are reduced to M on the fly, chunk by chunk, never as the
-    seed's (Lq, U_part, D) copy of K; the u active queries attend through torch's SDPA,
-    whose fused kernel keeps no (u, Lk) weights (its backward recomputes them; causal or
-    masked, a (u, Lk) bool mask is the one such tensor). Zhou et al., AAAI 2021.
+    seed's (Lq, U_part, D) copy of K; the u active queries attend through torch's fused
+    SDPA kernel, which keeps no (u, Lk) weights (causal or masked, a (u, Lk) mask is the one
+    such tensor); in training its backward recomputes them by key blocks
+    (:class:`~attnzoo.mechanisms._common.FewQueries`). Zhou et al., AAAI 2021.
 
     Departures and choices, all deliberate:
     - ``variant="paper"`` (default): M uses the mean of the U_part sampled scores,
