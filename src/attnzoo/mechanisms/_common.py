@@ -160,6 +160,17 @@ class FewQueries(torch.autograd.Function):
         return dq.mul_(ctx.scale), dk, dv, None, None
 
 
+def few_queries_attention(q, k, v, valid, scale):
+    """softmax(q kᵀ·scale) v (B, H, m, Dv) for m queries over Lk >> m keys, over the keys ``valid``
+    allows (bool, broadcastable to (B, H, m, Lk); None: every key). Under autograd, where the
+    fused kernel fits and ``valid`` is None or whole (B, H, m, Lk), :class:`FewQueries` (the
+    same forward, a backward by key blocks); otherwise SDPA."""
+    whole = valid is None or valid.shape == (*q.shape[:3], k.shape[2])
+    if whole and needs_grad(q, k, v) and fused_kernel_fits(q, k, v):
+        return FewQueries.apply(q, k, v, valid, scale)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scale)
+
+
 class _LogSumExp(torch.autograd.Function):
     """lse of the rows of ``scores`` whose softmax is ``p``: m − log(max p), with gradient p
     (the scores themselves are not kept for the backward; p is, by the softmax anyway)."""

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from attnzoo._pages import fresh_empty
 from attnzoo.masks import zero_empty_rows
-from attnzoo.mechanisms._common import FewQueries, fused_kernel_fits, needs_grad, softmax_scale
+from attnzoo.mechanisms._common import few_queries_attention, softmax_scale
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -132,20 +132,11 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
     s = softmax_scale(q, scale)
     q_l, k_l = _landmarks(q, k, opts, key_mask)  # (B, H, m, D)
     mask = None if key_mask is None else key_mask[:, None, None, :]
-    kernel_3 = _landmark_queries(q_l, k, v, mask, s)  # (B, H, m, Dv): kernel_3 V
+    kernel_3 = few_queries_attention(q_l, k, v, mask, s)  # (B, H, m, Dv): kernel_3 V
     kernel_2 = torch.softmax((q_l @ k_l.transpose(-1, -2)) * s, -1)  # (B, H, m, m)
     middle = pinv_times(kernel_2, kernel_3, opts.pinv_iterations)  # (B, H, m, Dv)
     out = F.scaled_dot_product_attention(q, k_l, middle, scale=s)
     return zero_empty_rows(out, causal=False, key_mask=key_mask, Lk=k.shape[2])
-
-
-def _landmark_queries(q_l, k, v, mask, s):
-    """softmax(Q̃ Kᵀ·s) V (B, H, m, Dv): SDPA, or under autograd (no mask, float32 or float64,
-    Dv = D) :class:`~attnzoo.mechanisms._common.FewQueries`, the same forward with a backward
-    over key blocks."""
-    if mask is None and needs_grad(q_l, k, v) and fused_kernel_fits(q_l, k, v):
-        return FewQueries.apply(q_l, k, v, None, s)[0]
-    return F.scaled_dot_product_attention(q_l, k, v, attn_mask=mask, scale=s)
 
 
 def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=None, scale=None,

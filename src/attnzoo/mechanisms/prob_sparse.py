@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from attnzoo._pages import fresh_empty
 from attnzoo.masks import causal_offset, dense_mask, visible_key_count
-from attnzoo.mechanisms._common import FewQueries, fused_kernel_fits, needs_grad, softmax_scale
+from attnzoo.mechanisms._common import few_queries_attention, needs_grad, softmax_scale
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -230,11 +230,7 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     top = _active_queries(q, k, opts, causal=causal, key_mask=key_mask, generator=generator)
     q_top = torch.gather(q, 2, top[..., None].expand(-1, -1, -1, q.shape[-1]))  # (B, H, u, D)
     mask = _active_mask(top, Lq, Lk, causal, key_mask)  # (B, H, u, Lk) or None
-    s = softmax_scale(q, scale)
-    if needs_grad(q, k, v) and fused_kernel_fits(q, k, v):  # SDPA's forward, a backward by key blocks
-        active_out = FewQueries.apply(q_top, k, v, mask, s)[0]
-    else:
-        active_out = F.scaled_dot_product_attention(q_top, k, v, attn_mask=mask, scale=s)
+    active_out = few_queries_attention(q_top, k, v, mask, softmax_scale(q, scale))  # (B, H, u, Dv)
     out = lazy_values(v, causal=causal, key_mask=key_mask, Lq=Lq, variant=opts.variant)
     rows = top[..., None].expand(-1, -1, -1, v.shape[-1])
     if causal:  # a fresh tensor that autograd does not need again: overwrite the active rows in place
