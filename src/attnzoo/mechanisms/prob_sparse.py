@@ -95,7 +95,8 @@ class _PrefixSums(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        return _chunked_sums(x)
+        out = _chunked_sums(x)
+        return out.clone() if out._is_view() else out  # prob_sparse writes into it: a view may not be
 
     @staticmethod
     def backward(ctx, grad):
@@ -104,8 +105,8 @@ class _PrefixSums(torch.autograd.Function):
 
 def _chunked_sums(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
     """Prefix sums of x (B, H, L, X) along the positions (``reverse``: suffix sums, Σ_{j >= i}) by
-    chunks (see :func:`prefix_sums`), into one populated result, not a view (callers may
-    write into it under autograd)."""
+    chunks (see :func:`prefix_sums`), into one populated result (a view of it where L is not a
+    whole number of chunks)."""
     L, pad = x.shape[2], -x.shape[2] % PREFIX_CHUNK
     chunks = (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(2, (-1, PREFIX_CHUNK))  # (B, H, nc, chunk, X)
     ones = torch.ones(PREFIX_CHUNK, PREFIX_CHUNK, dtype=x.dtype, device=x.device)
@@ -116,7 +117,7 @@ def _chunked_sums(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
         sums[:, :, :-1].add_(sums[:, :, 1:, 0].flip(2).cumsum(2).flip(2).unsqueeze(3))
     else:  # the totals of the chunks before
         sums[:, :, 1:].add_(sums[:, :, :-1, -1].cumsum(2).unsqueeze(3))
-    return out[:, :, :L].clone() if pad else out
+    return out[:, :, :L] if pad else out
 
 
 def lazy_values(v, *, causal, key_mask, Lq, variant):
