@@ -42,6 +42,19 @@ def test_elu_feature_map_is_elu_plus_one_and_more_exact_below_zero():
     assert ((torch.nn.functional.elu(x32).double() + 1 - exact).abs() / exact).max() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_elu_feature_map_far_below_zero(dtype):
+    """Exponents below log(tiny) are raised to it: φ off by about tiny at most, never 0 or NaN."""
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor([-1e30, -2000.0, -750.0, -100.0, -87.0, -50.0, 0.0, 3.0], dtype=dtype)
+    phi = elu_feature_map(x)
+    exact = torch.where(x > 0, x + 1, x.clamp(max=0).exp()).double()  # (elu(x) + 1 rounds to 0 here)
+    assert ((phi.double() - exact).abs() <= 2 * tiny + 1e-6 * exact).all()
+    assert (phi > 0).all()
+    grad = torch.autograd.grad(elu_feature_map(x.requires_grad_()).sum(), x)[0]
+    assert ((grad.double() - exact.clamp(max=1)).abs() <= 2 * tiny + 1e-6 * exact).all()
+
+
 def test_custom_feature_map():
     check_against_reference("linear", causal=True, masked=True,
                             options={"feature_map": lambda x: torch.relu(x) + 0.1})
