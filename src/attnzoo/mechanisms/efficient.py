@@ -121,8 +121,9 @@ class _Efficient(torch.autograd.Function):
             at = slice(start, start + rows)
             p = _row_softmax(q[:, :, at], shift[:, :, at], scratch)  # (B, H, n, D)
             dp = torch.matmul(grad[:, :, at], G.transpose(-1, -2), out=scratch("dp", p.shape))
-            dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1))
-            torch.mul(dp, p, out=dq[:, :, at])
+            p_dp = torch.mul(p, dp, out=dq[:, :, at])  # dq = p ⊙ dp − p (p·dp), in its slice
+            row = torch.sum(p_dp, -1, keepdim=True, out=scratch("row", (*p.shape[:-1], 1)))  # (B, H, n, 1)
+            p_dp.addcmul_(p, row, value=-1)
             dG.add_(p.transpose(-1, -2) @ grad[:, :, at])
         zc = _clamped(z)  # (B, H, D, 1)
         dz = torch.where(z == zc.squeeze(-1), -torch.linalg.vecdot(dG, G) / z, 0.0)  # (B, H, D)
