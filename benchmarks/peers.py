@@ -19,10 +19,9 @@ extra resident memory of a call the way ``attnzoo bench`` does (VmHWM reset afte
 gc + malloc_trim, minus VmRSS before; see attnzoo.bench.measure), over MEMORY_CALLS
 calls where a call is cheap, else one (:func:`peak_memories`). Times are medians
 over every timed call of every round; memory is the median over every memory call of
-every round. With
-``--cheap-rounds N`` a cell whose processes each took under CHEAP_S seconds gets N
-rounds: this machine's speed differs from process to process, and more processes steady
-the medians where they cost little.
+every round. With ``--cheap-rounds N`` a cell whose processes each took under CHEAP_S
+seconds gets N rounds: this machine's speed differs from process to process, and more
+processes steady the medians where they cost little.
 
 Writes docs/performance.md (ratios ours/peer and ours/SDPA with the targets of issue 8,
 the machine, the command) and docs/performance.json (every number). Only this script
@@ -393,11 +392,6 @@ def cell_rounds(runs: dict[str, list[dict]], rounds: int, cheap_rounds: int) -> 
     return max(rounds, cheap_rounds) if cheap else rounds
 
 
-def _peaks(recorded) -> list[int]:
-    """A run's memory calls: a list, or one number (runs from before several) or None."""
-    return recorded if isinstance(recorded, list) else [] if recorded is None else [recorded]
-
-
 def merge(runs: list[dict]) -> dict:
     """One side's cell from its rounds: median over all timed calls, median over all memory calls."""
     ok = [r for r in runs if r.get("status") == "ok"]
@@ -406,7 +400,7 @@ def merge(runs: list[dict]) -> dict:
     cell = {"status": "ok", "rounds": len(ok)}
     for key in ("fwd", "fwdbwd"):
         times = [t for r in ok for t in r.get(f"{key}_s", [])]
-        peaks = [p for r in ok for p in _peaks(r.get(f"{key}_peak_bytes"))]
+        peaks = [p for r in ok for p in r.get(f"{key}_peak_bytes", [])]
         if times:
             cell[f"{key}_s"] = statistics.median(times)
             cell[f"{key}_samples"] = len(times)

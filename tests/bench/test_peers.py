@@ -142,6 +142,21 @@ def test_parent_runs_cheap_cells_more_rounds(tmp_path):
     assert "2 where every process took under" in out.read_text()
 
 
+def test_memory_is_the_median_of_every_memory_call(monkeypatch):
+    """Cheap calls are measured MEMORY_CALLS times a process, slow ones once; a cell's memory
+    is the median over every call of every round."""
+    readings = iter([3, 1, 9, 5, None])
+    monkeypatch.setattr(peers, "peak_memory", lambda fn: next(readings))
+    assert peers.peak_memories(None, first_s=0.5) == [3, 1, 9]
+    assert peers.peak_memories(None, first_s=peers.MEMORY_CALL_S) == [5]
+    assert peers.peak_memories(None, first_s=2.0) == []  # (/proc could not tell)
+    runs = [{"status": "ok", "fwd_s": [0.1], "fwd_peak_bytes": [m * 2**20 for m in (9, 1, 1)]},
+            {"status": "ok", "fwd_s": [0.2], "fwd_peak_bytes": [m * 2**20 for m in (5, 5, 5)]},
+            {"status": "ok", "fwd_s": [0.3], "fwd_peak_bytes": []}]
+    # the median of all six calls; the first call of each round would give 7, rounds' medians 3
+    assert peers.merge(runs)["fwd_mib"] == 5.0
+
+
 def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
     """Round r of every cell before round r + 1 of any; cheap cells' extra rounds after both;
     the report after each pass says it is partial, the last one not."""
@@ -149,7 +164,8 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
 
     def fake_child(pair, side, L, args):
         calls.append((pair, L, side, out.read_text() if out.exists() else None))
-        return {"status": "ok", "fwd_s": [0.1], "fwd_peak_bytes": 2**20, "child_s": 5.0 if L == 17 else 30.0}
+        return {"status": "ok", "fwd_s": [0.1], "fwd_peak_bytes": [2**20],
+                "child_s": 5.0 if L == 17 else 30.0}
 
     monkeypatch.setattr(peers, "run_child", fake_child)
     monkeypatch.setattr(peers, "machine", lambda threads: _doc({})["machine"])  # rate 100

@@ -60,6 +60,10 @@ class _Pointwise(torch.autograd.Function):
         return grad * ctx.derivative(phi), None
 
 
+# log of the smallest normal number: torch's exp is slow below it (subnormal or 0 results)
+_EXP_FLOOR = {dtype: math.log(torch.finfo(dtype).tiny) for dtype in (torch.float32, torch.float64)}
+
+
 def _elu_plus_one(x, scratch=None):
     """φ(x) = elu(x) + 1, the paper's positive feature map: e^x for x <= 0, 1 + x above.
 
@@ -73,10 +77,6 @@ def _elu_plus_one(x, scratch=None):
     pos = torch.clamp(x, min=0, out=scratch_buffer(scratch, "elu_pos", x.shape))
     neg = torch.clamp(x, min=_EXP_FLOOR.get(x.dtype), max=0, out=scratch_buffer(scratch, "phi", x.shape))
     return neg.exp_().add_(pos)
-
-
-# log of the smallest normal number: torch's exp is slow below it (subnormal or 0 results)
-_EXP_FLOOR = {dtype: math.log(torch.finfo(dtype).tiny) for dtype in (torch.float32, torch.float64)}
 
 
 elu_feature_map = PointwiseMap(_elu_plus_one, lambda phi: phi.clamp(max=1.0), takes_scratch=True)
