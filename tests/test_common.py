@@ -54,11 +54,14 @@ def test_partial_softmax_matches_the_plain_masked_softmax(name):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("piece", [2**20, 2 * 3 * 4 * 4])
 @pytest.mark.parametrize("lse_grad", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_window_partial_with_its_scale_matches_the_dense_band(causal, lse_grad):
+def test_window_partial_with_its_scale_matches_the_dense_band(monkeypatch, causal, lse_grad, piece):
     """The fused kernel scales q itself; when lse takes a gradient the groups' backward runs
-    instead and must scale q (and dq) the same way."""
+    instead and must scale q (and dq) the same way. The kernel runs on the whole band or on
+    pieces of one query block (``piece`` outputs), each end block with its own mask."""
+    monkeypatch.setattr(_common, "BAND_PIECE", piece)
     g = torch.Generator().manual_seed(1)
     L, left, right, scale = 37, 6, 0 if causal else 5, 0.3
     q, k, v = (torch.randn(2, 3, L, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))

@@ -1,10 +1,12 @@
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms import sparse_transformer
+from attnzoo.mechanisms import _common, sparse_transformer
 from attnzoo.mechanisms._common import fused_partial
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck
@@ -33,6 +35,22 @@ def test_a2_in_chunks(monkeypatch, name):
     options = {"stride": 4, "c": 2} if name == "fixed" else {"stride": 4}
     for causal in (False, True):
         check_against_reference(name, Lq=21, Lk=23, causal=causal, masked=True, options=options)
+
+
+@pytest.mark.parametrize("name", ["strided", "fixed"])
+def test_without_autograd(monkeypatch, name):
+    """Without autograd each part is written into its place in one result as it comes (A2's
+    residue classes and query chunks, the band's kernel pieces, the merge): the reference's
+    results, with several parts of each."""
+    monkeypatch.setattr(sparse_transformer, "A2_SCORES_PER_CHUNK", 16)
+    monkeypatch.setattr(sparse_transformer, "FUSED_A2_MASK", 24)
+    monkeypatch.setattr(_common, "BAND_PIECE", 2 * 3 * 4 * 8)  # one query block (B·H·4·Dv) a piece
+    with torch.no_grad():
+        for causal, masked, heads in itertools.product((False, True), repeat=3):
+            options = {"stride": 4, "heads": "union" if heads else "split"}
+            options |= {"c": 2} if name == "fixed" else {}
+            check_against_reference(name, Lq=21, Lk=23, D=8, causal=causal, masked=masked,
+                                    options=options, backward=False)
 
 
 @pytest.mark.parametrize("mask_entries", [2**20, 24])

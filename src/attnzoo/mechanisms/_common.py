@@ -48,8 +48,11 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 def scaled(q: torch.Tensor, scale: float) -> torch.Tensor:
-    """q·scale, or q itself for scale 1 (callers that share q scale it once and pass 1)."""
-    return q if scale == 1.0 else q * scale
+    """q·scale, or q itself for scale 1 (callers that share q scale it once and pass 1); without
+    autograd, contiguous, in huge pages where it is large (:func:`~attnzoo._pages.fresh_empty`)."""
+    if scale == 1.0:
+        return q
+    return q * scale if needs_grad(q) else torch.mul(q, scale, out=fresh_empty(*q.shape, like=q))
 
 
 def finite_or_zero(t: torch.Tensor) -> torch.Tensor:
@@ -232,8 +235,31 @@ def merge_partials(parts):
     out = None
     for o, part_lse in parts:
         w = torch.exp(part_lse - safe_lse).unsqueeze(-1)  # (B, H, Lq, 1)
-        out = o * w if out is None else out.addcmul_(o, w)  # one new (B, H, Lq, Dv) tensor in all
+        if out is None:  # one new (B, H, Lq, Dv) tensor in all; without autograd in huge pages
+            out = o * w if needs_grad(o, w) else torch.mul(o, w, out=fresh_empty(*o.shape, like=o))
+        else:
+            out.addcmul_(o, w)
     return out, lse
+
+
+def join_blocks(blocks, total):
+    """Blocks (B, H, n_i, X) in sequence order (Σ n_i = total) joined into (B, H, total, X).
+
+    Under autograd they are concatenated: writing them into slices of one tensor would
+    make the backward clone the whole gradient once per block. Without it each goes into
+    one preallocated tensor as it comes, so only one block is alive beside the output.
+    """
+    if torch.is_grad_enabled():
+        return torch.cat(list(blocks), 2)
+    out, s = None, 0
+    for blk in blocks:
+        if blk.shape[2] == total:
+            return blk
+        if out is None:
+            out = fresh_empty(*blk.shape[:2], total, blk.shape[-1], like=blk)
+        out[:, :, s:s + blk.shape[2]] = blk
+        s += blk.shape[2]
+    return out
 
 
 def pad_to(t: torch.Tensor, length: int, dim: int = 2, front: int = 0, value=0.0) -> torch.Tensor:
@@ -246,6 +272,7 @@ def pad_to(t: torch.Tensor, length: int, dim: int = 2, front: int = 0, value=0.0
 
 
 SCORES_PER_CHUNK = 2**20  # scores (all batches and heads) computed at a time: 4 MiB in float32, in cache
+BAND_PIECE = 2**20  # outputs (all batches and heads) of one fused kernel call of a band
 
 
 def attend_blocks(q_flat, k_flat, v_flat, plan):
@@ -439,19 +466,27 @@ class _Band:
         query's dtype) and windows of a zero-padded copy of their keys (:meth:`_windows`).
         Padded queries past L see the padded keys too, so that no row is empty (the kernel
         gives such rows lse 0); their results are discarded.
+
+        The kernel runs on pieces of about BAND_PIECE outputs (all heads), each copied into its
+        place in one result: the kernel's own result for all the blocks at once, a fresh
+        (L, Dv) tensor, was faulted in 4 KiB at a time by its threads (fixed, causal, at
+        L = 16384: ~9k page faults and ~5 % of the forward).
         """
         if self.fused_scale is None:
             return None
-        qb = q_flat.view(-1, self.nb, self.block, q_flat.shape[-1])
-        parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qb[:, a:b], self._windows(k_flat, a, b), self._windows(v_flat, a, b), attn_mask=mask,
-            scale=self.fused_scale)[:2]
-            for a, b, mask in self._runs(q_flat.dtype)]  # (B·H, b − a, block, Dv), (B·H, b − a, block)
+        qb = q_flat.view(-1, self.nb, self.block, q_flat.shape[-1])  # (B·H, nb, block, D)
+        o = fresh_empty(*qb.shape[:3], v_flat.shape[-1], like=q_flat)  # (B·H, nb, block, Dv)
+        lse = q_flat.new_empty(qb.shape[:3])  # (B·H, nb, block)
+        step = max(1, BAND_PIECE // (qb.shape[0] * self.block * v_flat.shape[-1]))  # query blocks a piece
+        for a, b, mask in self._runs(q_flat.dtype):
+            for s in range(a, b, step):
+                e = min(b, s + step)
+                o[:, s:e], lse[:, s:e] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qb[:, s:e], self._windows(k_flat, s, e), self._windows(v_flat, s, e),
+                    attn_mask=mask if mask.shape[1] == 1 else mask[:, s - a:e - a],
+                    scale=self.fused_scale)[:2]
         B, H = self.bh.shape[:2]
-        o = torch.cat([o for o, _ in parts], 1, out=fresh_empty(*qb.shape[:3], parts[0][0].shape[-1],
-                                                              like=parts[0][0])).view(B, H, self.Lp, -1)
-        lse = torch.cat([lse for _, lse in parts], 1).view(B, H, self.Lp)
-        return o, lse
+        return o.view(B, H, self.Lp, -1), lse.view(B, H, self.Lp)
 
     def fused_backward(self, grad_o, q_flat, k_flat, v_flat, o, lse):
         """(dq, dk, dv) of :meth:`fused_forward` (lse unused), recomputing each block's weights

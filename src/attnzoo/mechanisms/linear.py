@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attnzoo._pages import Scratch, fresh_empty, scratch_buffer
 from attnzoo.masks import causal_offset, dense_mask
-from attnzoo.mechanisms._common import finite_or_zero, needs_grad
+from attnzoo.mechanisms._common import finite_or_zero, join_blocks, needs_grad
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -430,26 +430,6 @@ def query_blocks(q, fn, like):
     for q_blk in blocks:
         fn(q_blk, out[:, :, s:s + q_blk.shape[2]])
         s += q_blk.shape[2]
-    return out
-
-
-def join_blocks(blocks, total):
-    """Blocks (B, H, n_i, X) in sequence order (Σ n_i = total) joined into (B, H, total, X).
-
-    Under autograd they are concatenated: writing them into slices of one tensor would
-    make the backward clone the whole gradient once per block. Without it each goes into
-    one preallocated tensor as it comes, so only one block is alive beside the output.
-    """
-    if torch.is_grad_enabled():
-        return torch.cat(list(blocks), 2)
-    out, s = None, 0
-    for blk in blocks:
-        if blk.shape[2] == total:
-            return blk
-        if out is None:
-            out = fresh_empty(*blk.shape[:2], total, blk.shape[-1], like=blk)
-        out[:, :, s:s + blk.shape[2]] = blk
-        s += blk.shape[2]
     return out
 
 

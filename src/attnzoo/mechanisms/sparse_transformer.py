@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from attnzoo._pages import fresh_empty
 from attnzoo.mechanisms._common import (
     fused_kernel_fits,
     fused_partial,
+    join_blocks,
     merge_partials,
     needs_grad,
     pad_to,
@@ -109,16 +111,33 @@ def _strided_a2(q, k, v, key_valid, l, causal, include_self):
         kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l).transpose(1, 2)  # (B, l, m)
         valid = valid & kv[:, None, :, None, :]  # (B, 1, l, m, m)
     per = max(1, A2_SCORES_PER_CHUNK // (B * H * m * m))  # residue classes at a time, in cache
-    parts = []
     # split, not slices: the backward then joins the pieces' gradients in one pass
-    for n, (q_r, k_r, v_r) in enumerate(zip(qr.split(per, 2), kr.split(per, 2), vr.split(per, 2),
-                                            strict=True)):
-        scores = q_r @ k_r.transpose(-1, -2)  # (B, H, n, m, m): rows a_i, columns a_j
-        parts.append(partial_softmax(scores, valid[..., n * per:(n + 1) * per, :, :], v_r))
-    o = torch.cat([o for o, _ in parts], 2)  # (B, H, l, m, Dv)
-    lse = torch.cat([lse for _, lse in parts], 2)  # (B, H, l, m)
-    o = o.transpose(2, 3).reshape(B, H, Lp, -1)[:, :, :L]
-    lse = lse.transpose(2, 3).reshape(B, H, Lp)[:, :, :L]
+    chunks = zip(qr.split(per, 2), kr.split(per, 2), vr.split(per, 2), strict=True)
+    o, lse = _join_residues((partial_softmax(q_r @ k_r.transpose(-1, -2),  # (B, H, n, m, m): a_i, a_j
+                                             valid[..., n * per:(n + 1) * per, :, :], v_r)
+                             for n, (q_r, k_r, v_r) in enumerate(chunks)), l, m)
+    return o[:, :, :L], lse[:, :, :L]
+
+
+def _join_residues(parts, l, m):
+    """The partials of the residue classes mod l in order, (o (B, H, n, m, Dv), lse (B, H, n, m))
+    each, as one partial in position order: (o (B, H, m·l, Dv), lse (B, H, m·l)). Without
+    autograd each is written into its place as it comes, in one fresh result: concatenated,
+    then reordered, they made two (L, Dv) tensors faulted in afresh (strided at L = 16384:
+    ~16k page faults a forward). Under autograd they are concatenated and reordered."""
+    if torch.is_grad_enabled():
+        o, lse = (torch.cat(ts, 2).transpose(2, 3).flatten(2, 3) for ts in zip(*parts, strict=True))
+        return o, lse
+    o = lse = None
+    s = 0
+    for part_o, part_lse in parts:
+        if o is None:
+            B, H, _, _, Dv = part_o.shape
+            o, lse = fresh_empty(B, H, m * l, Dv, like=part_o), part_lse.new_empty(B, H, m * l)
+        n = part_o.shape[2]
+        _by_residue(o, l)[:, :, s:s + n] = part_o
+        _by_residue(lse.unsqueeze(-1), l)[:, :, s:s + n] = part_lse.unsqueeze(-1)
+        s += n
     return o, lse
 
 
@@ -179,7 +198,7 @@ def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
         else:
             scores = q_rows @ k_sum[:, :, :cells].transpose(-1, -2)  # (B, H, rows, cells)
             parts.append(partial_softmax(scores, valid, v_sum[:, :, :cells]))
-    return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+    return join_blocks([o for o, _ in parts], L), torch.cat([lse for _, lse in parts], 2)
 
 
 def _combine(q, k, v, opts, part_a1, part_a2):
