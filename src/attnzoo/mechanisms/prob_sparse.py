@@ -9,7 +9,9 @@ they may see), which is what a near-uniform attention row would give.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -143,33 +145,72 @@ def lazy_values(v, *, causal, key_mask, Lq, variant):
 
 
 def _sampled_measure(q, k, index, Lk, opts):
-    """M (B, H, Lq) from the sampled scores, without an (Lq, U_part, D) copy of K.
+    """M (B, H, Lq) from the sampled scores s_ij = q_i·k_j, never as an (Lq, U_part, D) copy of K.
 
-    Queries go in chunks of ``opts.chunk``; for each sample u the chunk gathers one
-    key row per query (all heads at once, from a (B·Lk, H·D) layout) into its
-    (U_part, chunk, H) scores, reduced to M once per chunk by :func:`sparsity_measure`, so
-    the working set stays in cache: O(chunk·(H·D + U_part·H)) memory.
+    Queries go in chunks of ``opts.chunk``. A chunk's samples, sorted and each distinct
+    (query, key) pair counted as often as it was drawn, form a sparse (chunk, Lk) pattern that
+    the heads share (:func:`_sample_pattern`); torch's sampled matmul (SDDMM) computes exactly
+    those scores, each one dot product of a query and a key row, with no gathered copy of the
+    keys (:func:`_pattern_scores`); each row of them is then reduced to M (:func:`_row_measure`).
+    At L = 16384 the measure took 76-80 ms this way, against 170-178 ms gathering the keys
+    of one sample at a time and multiplying them in place.
     """
-    B, H, Lq, D = q.shape
-    U_part = index.shape[-1]
-    k_rows = k.transpose(1, 2).reshape(B * Lk, H * D)  # a row = a key, all heads (2-D: fast index_select)
-    q_rows = q.transpose(1, 2)  # (B, Lq, H, D), a view
-    index = index.expand(B, -1, -1) + (torch.arange(B, device=q.device) * Lk)[:, None, None]
-    index = index.permute(2, 0, 1).contiguous()  # (U_part, B, Lq): sample u of a chunk is one run
-    M = q.new_empty(B, Lq, H)
-    gathered = k_rows.new_empty(B * min(opts.chunk, Lq), H * D)  # every sample's keys, in turn
+    B, H, Lq, _ = q.shape
+    M = q.new_empty(B, H, Lq)
     for start in range(0, Lq, opts.chunk):
-        rows = slice(start, start + opts.chunk)
-        q_chunk = q_rows[:, rows].contiguous()  # (B, C, H, D): read U_part times, so copied once
-        scores = q.new_empty(U_part, *q_chunk.shape[:3])  # (U_part, B, C, H)
-        k_sample = gathered[:q_chunk.shape[0] * q_chunk.shape[1]]  # (B·C, H·D)
-        for u in range(U_part):
-            torch.index_select(k_rows, 0, index[u, :, rows].flatten(), out=k_sample)
-            # q·k as a product in place into the gathered keys, then a sum: vecdot made its
-            # product in a fresh tensor each time (the measure took 246 ms at L = 16384, now 175)
-            torch.sum(k_sample.view(q_chunk.shape).mul_(q_chunk), -1, out=scores[u])
-        M[:, rows] = sparsity_measure(scores.movedim(0, -1), Lk, opts.variant)  # (B, C, H)
-    return M.transpose(1, 2)  # (B, H, Lq)
+        at = slice(start, start + opts.chunk)
+        patterns = [_sample_pattern(index_b[at], Lk) for index_b in index]  # one, or one a batch entry
+        for b in range(B):
+            pattern = patterns[min(b, len(patterns) - 1)]
+            scores = _pattern_scores(q[b, :, at], k[b], pattern)  # (H, nnz)
+            M[b, :, at] = _row_measure(scores, pattern, index.shape[-1], Lk, opts.variant)
+    return M
+
+
+class _Pattern(NamedTuple):
+    """The distinct (query, key) pairs of C queries' samples, in row-major order."""
+
+    rows: torch.Tensor  # (nnz,) query of each pair, 0..C-1
+    cols: torch.Tensor  # (nnz,) key of each pair
+    counts: torch.Tensor  # (nnz,) how often the pair was drawn
+    crow: torch.Tensor  # (C + 1,) where each query's pairs start (the CSR layout)
+
+
+def _sample_pattern(index: torch.Tensor, Lk: int) -> _Pattern:
+    """The pattern of the samples ``index`` (C, U_part) of C queries."""
+    C = index.shape[0]
+    pairs = (torch.arange(C, device=index.device)[:, None] * Lk + index.sort(-1).values).flatten()
+    pairs, counts = torch.unique_consecutive(pairs, return_counts=True)
+    rows = pairs // Lk
+    crow = torch.zeros(C + 1, dtype=torch.long, device=index.device)
+    torch.cumsum(torch.bincount(rows, minlength=C), 0, out=crow[1:])
+    return _Pattern(rows, pairs % Lk, counts, crow)
+
+
+def _pattern_scores(q: torch.Tensor, k: torch.Tensor, pattern: _Pattern) -> torch.Tensor:
+    """The scores (H, nnz) of a pattern's pairs, q (H, C, D) against k (H, Lk, D), by
+    ``torch.sparse.sampled_addmm`` on a batched CSR tensor of the pairs (rows in order, no
+    pair twice: valid CSR, so its invariants are not checked again)."""
+    H, nnz = q.shape[0], pattern.cols.numel()
+    with warnings.catch_warnings():  # torch's notice that sparse CSR is in beta, once a process
+        warnings.simplefilter("ignore", UserWarning)
+        csr = torch.sparse_csr_tensor(pattern.crow.expand(H, -1), pattern.cols.expand(H, -1),
+                                      q.new_zeros(H, nnz), (H, q.shape[1], k.shape[1]),
+                                      check_invariants=False)
+    return torch.sparse.sampled_addmm(csr, q, k.transpose(-1, -2), beta=0.0).values()
+
+
+def _row_measure(scores: torch.Tensor, pattern: _Pattern, U_part: int, Lk: int, variant: str):
+    """M (H, C) from the pattern's scores (H, nnz), each pair counted as often as it was drawn:
+    as :func:`sparsity_measure`, max - mean as mean(max - s) (exactly 0 when the samples are
+    equal); official: max - sum / Lk."""
+    H, C = scores.shape[0], pattern.crow.numel() - 1
+    rows = pattern.rows.expand(H, -1)
+    top = scores.new_full((H, C), -torch.inf).scatter_reduce_(1, rows, scores, "amax")
+    if variant == "official":
+        return top - scores.new_zeros(H, C).index_add_(1, pattern.rows, scores * pattern.counts) / Lk
+    gap = torch.gather(top, 1, rows).sub_(scores).mul_(pattern.counts)  # (max - s) · count
+    return scores.new_zeros(H, C).index_add_(1, pattern.rows, gap).div_(U_part)
 
 
 def _active_queries(q, k, opts, *, causal, key_mask, generator):
