@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from attnzoo._pages import Scratch, fresh_empty, scratch_buffer
-from attnzoo.mechanisms._common import SCORES_PER_CHUNK, pad_to, pattern_reference, softmax_scale, to_frame
+from attnzoo.mechanisms._common import SCORES_PER_CHUNK, pattern_reference, softmax_scale, to_frame
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -67,36 +68,43 @@ def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_
     that stay in cache.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
-    N = q.shape[2]
-    offsets = _signed_offsets(opts, N, causal)
-    reach = max(abs(d) for d in offsets)
-    k_pad, v_pad = pad_to(k, N + 2 * reach, front=reach), pad_to(v, N + 2 * reach, front=reach)
-    plan = _Offsets(offsets, reach, N, opts.restart, key_valid)
+    plan = _Offsets(_signed_offsets(opts, q.shape[2], causal), q.shape[2], opts.restart, key_valid)
     q = q * softmax_scale(q, scale)
     if q.dtype in (torch.float16, torch.bfloat16):
-        out = plan.forward(q, k_pad, v_pad)  # through autograd
+        out = plan.forward(q, k, v)  # through autograd
     else:
-        out = _OffsetAttention.apply(q, k_pad, v_pad, plan)
+        out = _OffsetAttention.apply(q, k, v, plan)
     return out[:, :, -Lq:]
 
 
 class _Offsets:
     """log_sparse's computation: for blocks of positions that stay in cache, one score per
-    offset d from the shifted keys (i − d), a softmax over the offsets, and the weighted
-    shifted values. ``k_pad``, ``v_pad`` carry ``reach`` zero rows on both sides."""
+    offset d from the keys shifted by d (i − d), a softmax over the offsets, and the weighted
+    shifted values. Each offset reads only the rows where i − d lies in the sequence: a
+    block's queries before (or after) them get no key at that offset (a masked score, weight 0),
+    and no padded copy of K and V is made (zero-padded by the largest offset on both sides, at
+    L = 16384 they were 64 MiB each, zero-filled and faulted in afresh on every call)."""
 
-    def __init__(self, offsets, reach, N, restart, key_valid):
-        self.offsets, self.reach, self.N, self.restart, self.key_valid = offsets, reach, N, restart, key_valid
+    def __init__(self, offsets, N, restart, key_valid):
+        self.offsets, self.N, self.restart, self.key_valid = offsets, N, restart, key_valid
 
     def blocks(self, B, H, D):
+        """(s, e, shifts) for each block of positions s..e−1: shifts lists, for each offset that
+        reaches a key from the block, (n, rows, keys), n the offset's index, rows its queries
+        within the block and keys their keys i − d (slices of equal length)."""
         rows = max(1, SCORES_PER_CHUNK // (B * H * D))  # positions a block
         for s in range(0, self.N, rows):
             e = min(self.N, s + rows)
-            yield s, e, [slice(self.reach - d + s, self.reach - d + e) for d in self.offsets]
+            shifts = []
+            for n, d in enumerate(self.offsets):
+                lo, hi = max(s, d), min(e, self.N + d)  # the block's queries whose key i − d exists
+                if lo < hi:
+                    shifts.append((n, slice(lo - s, hi - s), slice(lo - d, hi - d)))
+            yield s, e, shifts
 
-    def weights(self, q_blk, k_pad, s, e, shifted, scratch=None):
+    def weights(self, q_blk, k, s, e, shifts, scratch=None):
         """(B, H, n, n_offsets) softmax over the offsets of the block's queries; rows with no key 0."""
-        scores = _offset_dots(q_blk, k_pad, shifted, scratch, "scores")
+        scores = _offset_dots(q_blk, k, shifts, len(self.offsets), scratch, "scores")
         i = torch.arange(s, e, device=q_blk.device)[:, None]
         j = i - torch.tensor(self.offsets, device=q_blk.device)  # (n, n_offsets) key positions
         valid = (j >= 0) & (j < self.N)
@@ -106,64 +114,70 @@ class _Offsets:
             valid = valid & self.key_valid[:, j.clamp(0, self.N - 1)][:, None]  # (B, 1, n, n_offsets)
         return masked_softmax(scores, valid)
 
-    def forward(self, q, k_pad, v_pad, scratch=None):
+    def forward(self, q, k, v, scratch=None):
         """(B, H, N, Dv), block by block; the blocks' temporaries in ``scratch`` if given (not
-        under autograd)."""
+        under autograd). Offset 0 (always the first) reaches every query: it starts each block."""
         B, H, N, D = q.shape
-        out = fresh_empty(B, H, N, v_pad.shape[-1], like=q)
-        for s, e, shifted in self.blocks(B, H, D):
-            w = self.weights(q[:, :, s:e], k_pad, s, e, shifted, scratch)
-            block = torch.mul(w[..., 0, None], v_pad[:, :, shifted[0]],
-                              out=scratch_buffer(scratch, "block", (B, H, e - s, v_pad.shape[-1])))
-            for n, t in enumerate(shifted[1:], 1):
-                block = block.addcmul_(w[..., n, None], v_pad[:, :, t])
+        out = fresh_empty(B, H, N, v.shape[-1], like=q)
+        for s, e, shifts in self.blocks(B, H, D):
+            w = self.weights(q[:, :, s:e], k, s, e, shifts, scratch)
+            block = torch.mul(w[..., 0, None], v[:, :, s:e],
+                              out=scratch_buffer(scratch, "block", (B, H, e - s, v.shape[-1])))
+            for n, rows, keys in shifts[1:]:
+                block[:, :, rows].addcmul_(w[:, :, rows, n, None], v[:, :, keys])
             out[:, :, s:e] = block
         return out
 
 
-def _offset_dots(a, b_pad, shifted, scratch, name):
-    """(B, H, n, n_offsets): a · b_pad[:, :, t] over the features, for each offset's rows t. With
-    a scratch, the products go into one reused buffer and the dots into the scratch's ``name``:
+def _offset_dots(a, b, shifts, n_offsets, scratch, name):
+    """(B, H, n, n_offsets): a · b[:, :, keys] over the features for each offset's rows of ``a``
+    (``shifts`` as :meth:`_Offsets.blocks` gives them), 0 where an offset reaches no key. With a
+    scratch, the products go into one reused buffer and the dots into the scratch's ``name``:
     ``torch.linalg.vecdot`` makes a fresh (B, H, n, D) product each call, at L = 16384 ~0.5 GiB
     of them a forward, which in some processes were faulted in afresh (70k-280k page faults,
     most of a 175-450 ms forward in kernel time). Without one (autograd), fresh tensors."""
     if scratch is None:
-        return torch.stack([torch.linalg.vecdot(a, b_pad[:, :, t]) for t in shifted], -1)
-    dots = scratch(name, (len(shifted), *a.shape[:-1]))  # (n_offsets, B, H, n)
+        dots = [a.new_zeros(a.shape[:-1])] * n_offsets
+        for n, rows, keys in shifts:
+            dots[n] = F.pad(torch.linalg.vecdot(a[:, :, rows], b[:, :, keys]),
+                            (rows.start, a.shape[2] - rows.stop))
+        return torch.stack(dots, -1)
+    dots = scratch(name, (n_offsets, *a.shape[:-1])).zero_()  # (n_offsets, B, H, n)
     prod = scratch("prod", a.shape)  # (B, H, n, D)
-    for dot, t in zip(dots, shifted, strict=True):
-        torch.sum(torch.mul(a, b_pad[:, :, t], out=prod), -1, out=dot)
+    for n, rows, keys in shifts:
+        r = prod[:, :, :rows.stop - rows.start]
+        torch.sum(torch.mul(a[:, :, rows], b[:, :, keys], out=r), -1, out=dots[n, :, :, rows])
     return dots.permute(1, 2, 3, 0)
 
 
 class _OffsetAttention(torch.autograd.Function):
     """log_sparse with a backward that recomputes each block's weights and adds the gradients
-    of the shifted keys and values into place (autograd would zero-fill a padded copy for
-    every offset and block)."""
+    of the shifted keys and values into place (autograd would zero-fill a whole-size gradient
+    for every offset and block)."""
 
     @staticmethod
-    def forward(ctx, q, k_pad, v_pad, plan):
-        ctx.save_for_backward(q, k_pad, v_pad)
+    def forward(ctx, q, k, v, plan):
+        ctx.save_for_backward(q, k, v)
         ctx.plan = plan
-        return plan.forward(q, k_pad, v_pad, Scratch(q))
+        return plan.forward(q, k, v, Scratch(q))
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_pad, v_pad = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors
         plan = ctx.plan
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k_pad), torch.zeros_like(v_pad)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         scratch = Scratch(q)
-        for s, e, shifted in plan.blocks(*q.shape[:2], q.shape[-1]):
+        for s, e, shifts in plan.blocks(*q.shape[:2], q.shape[-1]):
             q_blk, g = q[:, :, s:e], grad_out[:, :, s:e]
-            w = plan.weights(q_blk, k_pad, s, e, shifted, scratch)  # (B, H, n, n_offsets)
-            dw = _offset_dots(g, v_pad, shifted, scratch, "dw")
+            w = plan.weights(q_blk, k, s, e, shifts, scratch)  # (B, H, n, n_offsets)
+            dw = _offset_dots(g, v, shifts, len(plan.offsets), scratch, "dw")
             ds = w * (dw - (w * dw).sum(-1, keepdim=True))  # softmax backward
-            dq_blk = ds[..., 0, None] * k_pad[:, :, shifted[0]]
-            for n, t in enumerate(shifted):
+            dq_blk = ds[..., 0, None] * k[:, :, s:e]  # offset 0: every query
+            for n, rows, keys in shifts:
                 if n:
-                    dq_blk.addcmul_(ds[..., n, None], k_pad[:, :, t])
-                dk[:, :, t].addcmul_(ds[..., n, None], q_blk)
-                dv[:, :, t].addcmul_(w[..., n, None], g)
+                    dq_blk[:, :, rows].addcmul_(ds[:, :, rows, n, None], k[:, :, keys])
+                dk[:, :, keys].addcmul_(ds[:, :, rows, n, None], q_blk[:, :, rows])
+                dv[:, :, keys].addcmul_(w[:, :, rows, n, None], g[:, :, rows])
             dq[:, :, s:e] = dq_blk
         return dq, dk, dv, None
 
