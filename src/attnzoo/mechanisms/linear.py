@@ -447,8 +447,9 @@ class Normalised:
         return torch.div(num, self._den(f, z), out=out)
 
     def _den(self, f, z):
-        """φ(q)·z + eps (B, H, n, 1), by vecdot (a matvec in bmm is slow)."""
-        return torch.linalg.vecdot(f, z.unsqueeze(-2)).unsqueeze(-1).add_(self.eps)
+        """φ(q)·z + eps (B, H, n, 1), as the product of φ(q) and z's column: by ``vecdot`` (a
+        product and a sum) forwards ran 2-5 % slower (linear, taylor, performer, L = 4096)."""
+        return torch.matmul(f, z.unsqueeze(-1)).add_(self.eps)
 
     def grad(self, q_blk, g, S, z):
         """(dq, dS, dz) of a query block from the gradient g of its output: with num = φS,
