@@ -590,8 +590,8 @@ class _CausalStep:
 
 def kernel_flops(B, H, Lq, Lk, Fdim, Dv, causal, chunk) -> float:
     """FLOPs of :func:`kernel_attention`, features given (products; sums like z not counted)."""
-    if not causal:  # the streamed form's products: S = φ(K)ᵀV, then φ(q)·S
-        return 2.0 * B * H * (Lk + Lq) * Fdim * Dv
+    if not causal:  # the streamed form's products: S = φ(K)ᵀV, then φ(q)·S and the normaliser φ(q)·z
+        return 2.0 * B * H * (Lk * Dv + Lq * (Dv + 1)) * Fdim
     off = Lk - Lq
     aligned = min(Lq, Lk)
     n = -(-aligned // chunk) * chunk
