@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from attnzoo import _pages
-from attnzoo._pages import HUGE_PAGE, MIN_BYTES, fresh_empty, whole_huge_pages
+from attnzoo._pages import HUGE_PAGE, MIN_BYTES, fresh_empty, fresh_like, whole_huge_pages
 
 
 @pytest.mark.parametrize("ptr, nbytes, expected", [
@@ -54,6 +54,14 @@ def test_fresh_empty_populates_only_advised_huge_pages(monkeypatch):
     monkeypatch.setattr(_pages, "_MADVISE", lambda *args: calls.append(args) or -1)  # refused
     fresh_empty(MIN_BYTES // 4, like=torch.zeros(1)).zero_()
     assert [advice for *_, advice in calls] == [14]
+
+
+def test_fresh_like_takes_each_shape_and_dtype_and_zeroes_on_request():
+    a, b = torch.ones(2, 3, dtype=torch.float64).t(), torch.ones(4, dtype=torch.int32)  # (a: a view)
+    x, y = fresh_like(a, b, zero=True)
+    assert (x.shape, x.dtype, y.shape, y.dtype) == ((3, 2), torch.float64, (4,), torch.int32)
+    assert x.is_contiguous() and not x.any() and not y.any()
+    assert [t.shape for t in fresh_like(a, b)] == [(3, 2), (4,)]
 
 
 def test_thp_never_reads_the_kernel_setting(tmp_path):

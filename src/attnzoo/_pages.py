@@ -75,6 +75,13 @@ def fresh_empty(*shape: int, like: torch.Tensor, stride: tuple[int, ...] | None 
     return t
 
 
+def fresh_like(*tensors: torch.Tensor, zero: bool = False) -> tuple[torch.Tensor, ...]:
+    """A :func:`fresh_empty` tensor of each of ``tensors``' shape, dtype and device (contiguous),
+    zero-filled with ``zero``: gradients about to be written whole, or added into."""
+    out = tuple(fresh_empty(*t.shape, like=t) for t in tensors)
+    return tuple(t.zero_() for t in out) if zero else out
+
+
 class Scratch:
     """Buffers that every block of one call reuses, by name and shape: a block's temporaries
     are written into them (``out=``) rather than into fresh tensors. A fresh tensor of a

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from attnzoo._pages import fresh_empty
+from attnzoo._pages import fresh_empty, fresh_like
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -50,9 +50,15 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
 def scaled(q: torch.Tensor, scale: float) -> torch.Tensor:
     """q·scale, or q itself for scale 1 (callers that share q scale it once and pass 1); without
     autograd, contiguous, in huge pages where it is large (:func:`~attnzoo._pages.fresh_empty`)."""
-    if scale == 1.0:
-        return q
-    return q * scale if needs_grad(q) else torch.mul(q, scale, out=fresh_empty(*q.shape, like=q))
+    return q if scale == 1.0 else _product(q, scale)
+
+
+def _product(a: torch.Tensor, b) -> torch.Tensor:
+    """a·b, b a number or broadcasting to a's shape: under autograd as torch makes it; without,
+    contiguous, into :func:`~attnzoo._pages.fresh_empty` memory (huge pages where it is large)."""
+    if needs_grad(a, *([b] if isinstance(b, torch.Tensor) else [])):
+        return a * b
+    return torch.mul(a, b, out=fresh_empty(*a.shape, like=a))
 
 
 def finite_or_zero(t: torch.Tensor) -> torch.Tensor:
@@ -235,10 +241,7 @@ def merge_partials(parts):
     out = None
     for o, part_lse in parts:
         w = torch.exp(part_lse - safe_lse).unsqueeze(-1)  # (B, H, Lq, 1)
-        if out is None:  # one new (B, H, Lq, Dv) tensor in all; without autograd in huge pages
-            out = o * w if needs_grad(o, w) else torch.mul(o, w, out=fresh_empty(*o.shape, like=o))
-        else:
-            out.addcmul_(o, w)
+        out = _product(o, w) if out is None else out.addcmul_(o, w)  # one new (B, H, Lq, Dv) tensor in all
     return out, lse
 
 
@@ -361,7 +364,7 @@ class _BlockAttention(torch.autograd.Function):
         seen = torch.isfinite(lse)  # rows with a key; the others have no weights and get no gradient
         # d lse / d s = p and d o / d s = p (dP − rowsum(dO·o)): one per-row term for both
         row = torch.where(seen, grad_lse - torch.linalg.vecdot(grad_o, o), 0.0)  # (B, H, slots)
-        grads = tuple(fresh_empty(*t.shape, like=t).zero_() for t in (q_flat, k_flat, v_flat))
+        grads = fresh_like(q_flat, k_flat, v_flat, zero=True)
         start = 0
         for g in plan.groups:
             q_rows = plan.q_rows(g)  # (B, H, n, block)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo._pages import Scratch, fresh_empty
+from attnzoo._pages import Scratch, fresh_empty, fresh_like
 from attnzoo.mechanisms._common import LOG2E, finite_or_zero, needs_grad, wide
 from attnzoo.mechanisms.linear import _key_blocks, _no_scale, stream_rows
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -115,7 +115,7 @@ class _Efficient(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, key_mask, G, z, c2, shift = ctx.saved_tensors
         scratch, rows = Scratch(q), stream_rows(q)
-        dq, dk, dv = (fresh_empty(*t.shape, like=t) for t in (q, k, v))
+        dq, dk, dv = fresh_like(q, k, v)
         dG = torch.zeros_like(G)  # (B, H, D, Dv)
         for start in range(0, q.shape[2], rows):
             at = slice(start, start + rows)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo._pages import Scratch, fresh_empty, scratch_buffer
+from attnzoo._pages import Scratch, fresh_empty, fresh_like, scratch_buffer
 from attnzoo.masks import causal_offset, dense_mask
 from attnzoo.mechanisms._common import finite_or_zero, join_blocks, needs_grad
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -322,7 +322,7 @@ class _StreamedKernel(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, key_mask, S, z, c = ctx.saved_tensors
         phi_k, finish = ctx.maps
-        dq, dk, dv = (fresh_empty(*t.shape, like=t) for t in (q, k, v))
+        dq, dk, dv = fresh_like(q, k, v)
         safe_c = None if c is None else finite_or_zero(c)
         dS, dz = _query_grads(q, grad, S, z, finish, dq, _backward_rows(q))
         dz = dz.unsqueeze(2)  # (B, H, 1, F)
@@ -553,7 +553,7 @@ class _CausalBlocks(torch.autograd.Function):
     def backward(ctx, g_out, g_S, g_z):
         q, k, v, key_mask, out, *states = ctx.saved_tensors
         rows = ctx.rows  # (unused outputs' gradients come as zeros: materialize_grads)
-        dq, dk, dv = (fresh_empty(*t.shape, like=t) for t in (q, k, v))
+        dq, dk, dv = fresh_like(q, k, v)
         blocks = list(zip(q.split(rows, 2), _key_blocks(k, v, key_mask, rows), out.split(rows, 2),
                           g_out.split(rows, 2), strict=True))
         for n in reversed(range(len(blocks))):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo._pages import fresh_empty
+from attnzoo._pages import fresh_empty, fresh_like
 from attnzoo.mechanisms._common import (
     LOG2E,
     pad_to,
@@ -347,7 +347,7 @@ class _Rounds(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q_flat, k_flat, v_flat, out, lse = ctx.saved_tensors
-        grads = tuple(fresh_empty(*t.shape, like=t).zero_() for t in (q_flat, k_flat, v_flat))
+        grads = fresh_like(q_flat, k_flat, v_flat, zero=True)
         flat_grad = grad.reshape(-1, grad.shape[-1])  # (B·H·L, Dv): rows as q_flat's
         row = -torch.linalg.vecdot(flat_grad, out)  # by row
         total = torch.where(torch.isfinite(lse), lse, float("inf"))  # (base 2) no key: no weight
