@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo._pages import Scratch, fresh_empty, scratch_buffer
+from attnzoo._pages import Scratch, fresh_empty, fresh_like, scratch_buffer
 from attnzoo.mechanisms._common import SCORES_PER_CHUNK, pattern_reference, softmax_scale, to_frame
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -165,7 +165,7 @@ class _OffsetAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         plan = ctx.plan
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, (dk, dv) = torch.empty_like(q), fresh_like(k, v, zero=True)  # dk, dv: added into
         scratch = Scratch(q)
         for s, e, shifts in plan.blocks(*q.shape[:2], q.shape[-1]):
             q_blk, g = q[:, :, s:e], grad_out[:, :, s:e]
