@@ -122,6 +122,10 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
         monkeypatch.setattr(linear, "causal_rows", lambda B, H, chunk: 3 * chunk)
         for Lq, Lk in [(13, 15), (15, 13)]:
             check_against_reference(name, Lq=Lq, Lk=Lk, causal=True, masked=True, options={"chunk": 2})
+            with torch.no_grad():  # inference: each block's chunk terms in one Scratch, the last
+                for masked in (False, True):  # block shorter (its own buffers, padded)
+                    check_against_reference(name, Lq=Lq, Lk=Lk, causal=True, masked=masked,
+                                            backward=False, options={"chunk": 2})
         check_gradcheck(name, Lq=8, Lk=9, causal=True, masked=True, options={"chunk": 2})
 
 

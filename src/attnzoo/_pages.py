@@ -90,7 +90,14 @@ class Scratch:
     forward at L = 16384 took 26k–29k page faults a call (~1k in others) and twice the time."""
 
     def __init__(self, like: torch.Tensor):
-        self.like, self.buffers = like, {}
+        self.like, self.buffers, self.parts = like, {}, {}
+
+    def part(self, name: str) -> Scratch:
+        """A scratch of its own for part ``name`` of a block (made on first request): two parts
+        alive at once, such as the query's and the key's feature maps, must not share buffers."""
+        if name not in self.parts:
+            self.parts[name] = Scratch(self.like)
+        return self.parts[name]
 
     def __call__(self, name: str, shape) -> torch.Tensor:
         """The ``shape`` buffer ``name`` (made on first request); it holds until the next request

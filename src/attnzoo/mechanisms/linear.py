@@ -40,8 +40,10 @@ class PointwiseMap:
 
 
 def apply_map(phi, x: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
-    """φ(x), into ``scratch`` where φ is a :class:`PointwiseMap` (any other map: fresh)."""
-    return phi(x, scratch) if isinstance(phi, PointwiseMap) else phi(x)
+    """φ(x), into ``scratch`` where φ takes one (a :class:`PointwiseMap`, or a map with a true
+    ``takes_scratch`` attribute, called ``phi(x, scratch)``); any other map: fresh."""
+    takes = isinstance(phi, PointwiseMap) or getattr(phi, "takes_scratch", False)
+    return phi(x, scratch) if takes else phi(x)
 
 
 class _Pointwise(torch.autograd.Function):
@@ -107,7 +109,7 @@ class LinearState:
     kv: torch.Tensor
 
 
-def _causal_prefix(phi_q, phi_k, v, S0, z0, chunk, eps):
+def _causal_prefix(phi_q, phi_k, v, S0, z0, chunk, eps, scratch=None):
     """Causal normalised kernel attention for aligned queries and keys, from the state before them.
 
     phi_q, phi_k (B, H, L, F), v (B, H, L, Dv); S0 (B, H, F, Dv) and z0 (B, H, F), the state
@@ -117,11 +119,13 @@ def _causal_prefix(phi_q, phi_k, v, S0, z0, chunk, eps):
     normaliser is A's row sums plus φ(q)·z: no ones column on v (products with Dv + 1
     columns ran at a third of the machine's matmul rate). Memory
     O(L·chunk + (L/chunk)·F·Dv), time O(L·(chunk + F)·Dv) — no (L, F, Dv) tensor.
+    With a :class:`~attnzoo._pages.Scratch` (inference) the chunk terms and the output go into
+    its buffers: ``out`` is then a view of one, valid until the next call with that scratch.
     """
     L = phi_q.shape[2]
-    pq, pk, pv = _chunked((phi_q, phi_k, v), chunk)
-    c = _ChunkTerms(pq, pk, pv, S0, z0, eps)
-    num = _bmm_add(_bmm(c.scores, pv), pq, c.S_before)  # (B, H, nc, chunk, Dv)
+    pq, pk, pv = _chunked((phi_q, phi_k, v), chunk, scratch)
+    c = _ChunkTerms(pq, pk, pv, S0, z0, eps, scratch)
+    num = _bmm_add(_bmm(c.scores, pv, scratch_buffer(scratch, "num", pv.shape)), pq, c.S_before)
     out = num.div_(c.den.unsqueeze(-1)).flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
     return out, c.S_before[:, :, -1] + c.S_c[:, :, -1], c.z_before[:, :, -1] + c.z_c[:, :, -1]
 
@@ -151,28 +155,44 @@ def _causal_prefix_grad(phi_q, phi_k, v, S0, z0, chunk, eps, out, g, g_S, g_z):
             dS_before.sum(2) + g_S, dz_before.sum(2) + g_z)
 
 
-def _chunked(ts, chunk):
+def _chunked(ts, chunk, scratch=None):
     """(B, H, L, X) tensors zero-padded to whole chunks, as contiguous (B, H, L/chunk, chunk, X):
-    a block sliced from a longer sequence is copied once here, not by each bmm that flattens it."""
+    a block sliced from a longer sequence is copied once here, not by each bmm that flattens it
+    (into ``scratch``'s buffers if given)."""
     L = ts[0].shape[2]
-    pad = -L % chunk
-    return [(F.pad(t, (0, 0, 0, pad)) if pad else t.contiguous()).unflatten(2, (-1, chunk)) for t in ts]
+    n = L + -L % chunk
+    return [_contiguous_padded(t, n, scratch_buffer(scratch, f"chunked{i}", (*t.shape[:2], n, t.shape[3])))
+            .unflatten(2, (-1, chunk)) for i, t in enumerate(ts)]
 
 
-def _running(x, x0, reverse=False):
+def _contiguous_padded(t, n, out=None):
+    """``t`` (B, H, L, X) zero-padded to n positions, contiguous: ``t`` itself where it is, else a
+    copy (into ``out`` if given)."""
+    if t.shape[2] == n and t.is_contiguous():
+        return t
+    if out is None:
+        return F.pad(t, (0, 0, 0, n - t.shape[2])) if n > t.shape[2] else t.contiguous()
+    out[:, :, :t.shape[2]] = t
+    out[:, :, t.shape[2]:] = 0.0
+    return out
+
+
+def _running(x, x0, reverse=False, out=None):
     """The state before each chunk, x0 + Σ_{c' < c} x[:, :, c'] (B, H, nc, ...); ``reverse``: the
     gradient after each, x0 + Σ_{c' > c} x[:, :, c']. A loop of adds over a block's few chunks
-    (as fast as a triangular matmul here, and plain sums)."""
+    (as fast as a triangular matmul here, and plain sums), stacked into ``out`` if given."""
     order = range(x.shape[2] - 1, 0, -1) if reverse else range(x.shape[2] - 1)
     acc = [x0]
     for c in order:
         acc.append(acc[-1] + x[:, :, c])
-    return torch.stack(acc[::-1] if reverse else acc, 2)
+    return torch.stack(acc[::-1] if reverse else acc, 2, out=out)
 
 
-def _bmm(a, b):
-    """a @ b over (B, H, nc, ...) tensors by one bmm over the flattened (B·H·nc) batch."""
-    return torch.bmm(a.flatten(0, 2), b.flatten(0, 2)).unflatten(0, a.shape[:3])
+def _bmm(a, b, out=None):
+    """a @ b over (B, H, nc, ...) tensors by one bmm over the flattened (B·H·nc) batch (into
+    ``out``, contiguous, if given)."""
+    flat = None if out is None else out.flatten(0, 2)
+    return torch.bmm(a.flatten(0, 2), b.flatten(0, 2), out=flat).unflatten(0, a.shape[:3])
 
 
 def _bmm_add(t, a, b):
@@ -185,13 +205,24 @@ class _ChunkTerms:
     """The chunked causal pass's terms (see :func:`_causal_prefix`), for its forward and backward:
     scores A (B, H, nc, chunk, chunk), the chunks' states S_c (B, H, nc, F, Dv) and z_c
     (B, H, nc, F), the states before each chunk and den (B, H, nc, chunk). (The numerator
-    A pv + pq S_before is the forward's alone: the backward reads the saved output instead.)"""
+    A pv + pq S_before is the forward's alone: the backward reads the saved output instead.)
+    With a ``scratch`` (inference) each is written into its buffer: fresh ones of a
+    performer block's size (2 MiB) took 11k-25k page faults a forward at L = 16384."""
 
-    def __init__(self, pq, pk, pv, S0, z0, eps):
-        self.scores = _bmm(pq, pk.transpose(-1, -2)).tril_()  # j <= i within the chunk
-        self.S_c, self.z_c = _bmm(pk.transpose(-1, -2), pv), pk.sum(3)
-        self.S_before, self.z_before = _running(self.S_c, S0), _running(self.z_c, z0)
-        self.den = torch.linalg.vecdot(pq, self.z_before.unsqueeze(-2)).add_(self.scores.sum(-1)).add_(eps)
+    def __init__(self, pq, pk, pv, S0, z0, eps, scratch=None):
+        chunk, Fdim, Dv = pq.shape[3], pq.shape[-1], pv.shape[-1]
+
+        def buf(name, *size):  # (B, H, nc, *size): the scratch's buffer, or None (fresh)
+            return scratch_buffer(scratch, name, (*pq.shape[:3], *size))
+
+        scores = _bmm(pq, pk.transpose(-1, -2), buf("scores", chunk, chunk))
+        self.scores = scores.tril_()  # j <= i within the chunk
+        self.S_c = _bmm(pk.transpose(-1, -2), pv, buf("S_c", Fdim, Dv))
+        self.z_c = torch.sum(pk, 3, out=buf("z_c", Fdim))
+        self.S_before = _running(self.S_c, S0, out=buf("S_before", Fdim, Dv))
+        self.z_before = _running(self.z_c, z0, out=buf("z_before", Fdim))
+        den = _bmm(pq, self.z_before.unsqueeze(-1), buf("den", chunk, 1))  # φ(q)·z as a product
+        self.den = den.squeeze(-1).add_(self.scores.sum(-1)).add_(eps)  # (vecdot: a product tensor)
 
 
 STREAM_POSITIONS = 4096  # non-causal: positions of a block over all batch entries and heads
@@ -503,10 +534,12 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     step = _CausalStep(phi_q, phi_k, chunk, eps)
     out = q_al.new_zeros(*q.shape[:2], 0, v.shape[-1])
     if Lq > blind:
-        if needs_grad(q, k, v, S, z) and not any(t.requires_grad for t in closes_over):
+        traced = needs_grad(q, k, v, S, z, *closes_over)
+        if traced and not any(t.requires_grad for t in closes_over):
             out, S, z = _CausalBlocks.apply(q_al, k_al, v_al, S, z, m_al, step, rows)
-        else:
-            out, S, z = _causal_run(q_al, k_al, v_al, (S, z), m_al, step, rows)
+        else:  # inference, or autograd through the maps' own tensors (no out= then)
+            out, S, z = _causal_run(q_al, k_al, v_al, (S, z), m_al, step, rows,
+                                    scratch=None if traced else Scratch(q))
     if blind:  # queries before the first key see nothing
         out = torch.cat([v.new_zeros(*q_blind.shape[:3], v.shape[-1]), out], 2)
     return out, LinearState(torch.cat([S, z.unsqueeze(-1)], -1))
@@ -518,9 +551,10 @@ def _split_at(t, n, dim):
     return (t.narrow(dim, 0, 0), t) if n == 0 else t.split([n, t.shape[dim] - n], dim)
 
 
-def _causal_run(q, k, v, state, key_mask, step, rows, states=None):
+def _causal_run(q, k, v, state, key_mask, step, rows, states=None, scratch=None):
     """``step`` over aligned blocks of ``rows`` positions in order, each from the state (S, z)
-    the one before left: (out (B, H, L, Dv), S, z after); ``states`` collects the state before each."""
+    the one before left: (out (B, H, L, Dv), S, z after); ``states`` collects the state before each;
+    each block's temporaries go into ``scratch`` if given (its output is copied out at once)."""
     final = [state]
 
     def blocks():
@@ -528,7 +562,7 @@ def _causal_run(q, k, v, state, key_mask, step, rows, states=None):
                                                strict=True):
             if states is not None:
                 states.append(final[0])
-            o, *final[0] = step(q_blk, k_blk, v_blk, mask, *final[0])
+            o, *final[0] = step(q_blk, k_blk, v_blk, mask, *final[0], scratch=scratch)
             yield o
 
     out = join_blocks(blocks(), q.shape[2])
@@ -575,9 +609,11 @@ class _CausalStep:
     chunk: int
     eps: float
 
-    def __call__(self, q_blk, k_blk, v_blk, mask, S, z):
-        f_k = _key_features(self.phi_k, k_blk, mask)[0]
-        return _causal_prefix(self.phi_q(q_blk), f_k, v_blk, S, z, self.chunk, self.eps)
+    def __call__(self, q_blk, k_blk, v_blk, mask, S, z, scratch=None):
+        parts = (None, None) if scratch is None else (scratch.part("q"), scratch.part("k"))
+        f_q = apply_map(self.phi_q, q_blk, parts[0])  # (each map's buffers of its own: both are alive)
+        f_k = _key_features(self.phi_k, k_blk, mask, parts[1])[0]
+        return _causal_prefix(f_q, f_k, v_blk, S, z, self.chunk, self.eps, scratch)
 
     def grad(self, q_blk, k_blk, v_blk, mask, S, z, out, g_out, g_S, g_z):
         """(dq, dk, dv, dS, dz) of the block from its output and the gradients of its (out, S, z)."""
@@ -596,7 +632,7 @@ def kernel_flops(B, H, Lq, Lk, Fdim, Dv, causal, chunk) -> float:
     aligned = min(Lq, Lk)
     n = -(-aligned // chunk) * chunk
     prefix = 2.0 * max(off, 0) * Fdim * Dv
-    return B * H * (prefix + 2.0 * n * chunk * (Fdim + Dv) + 4.0 * n * Fdim * Dv)
+    return B * H * (prefix + 2.0 * n * chunk * (Fdim + Dv) + 4.0 * n * Fdim * Dv + 2.0 * n * Fdim)
 
 
 def _feature_map(opts: LinearOptions):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnzoo._pages import scratch_buffer
 from attnzoo.mechanisms._common import LOG2E, exp_, finite_or_zero, softmax_scale
 from attnzoo.mechanisms.linear import (
     kernel_attention,
@@ -154,20 +155,23 @@ class _FavorMap(torch.autograd.Function):
         return dxs * ctx.root_s, None, dWt, None, None, None
 
 
-def _base2_features(xs, Wt, stabilise, key_mask):
+def _base2_features(xs, Wt, stabilise, key_mask, scratch=None):
     """:class:`_FavorMap`'s ``(φ, c)`` in three passes over the (n, m) logits: made in base 2 by
     the product itself, l₂ = x'·(Wᵀ log2 e) (the rounding of Wᵀ log2 e is of the order of the
     product's own); c₂ (the row's max of l₂, or the block's of l₂ − ‖x'‖² log2 e / 2), that
     norm and the 1/√m go into one (n, 1) shift, and φ = 2^(l₂ − shift). Returns c in natural
-    units, as :func:`favor_features`' (None for "none")."""
-    logits = xs @ (Wt * LOG2E)  # (B, H, n, m): W x' in base 2
+    units, as :func:`favor_features`' (None for "none"). φ and the block's temporaries go into
+    ``scratch``'s buffers if given (inference)."""
+    out = scratch_buffer(scratch, "logits", (*xs.shape[:-1], Wt.shape[1]))
+    logits = torch.matmul(xs, Wt * LOG2E, out=out)  # (B, H, n, m): W x' in base 2
     shift = 0.5 * math.log2(Wt.shape[1])  # the 1/√m
     c = None
     if stabilise == "row":
         c = logits.amax(-1, keepdim=True)  # (B, H, n, 1)
         shift = c + shift
     else:
-        norm = (xs * xs).sum(-1, keepdim=True).mul_(0.5 * LOG2E)  # (B, H, n, 1): ‖x'‖²/2 in base 2
+        squares = torch.mul(xs, xs, out=scratch_buffer(scratch, "squares", xs.shape))
+        norm = squares.sum(-1, keepdim=True).mul_(0.5 * LOG2E)  # (B, H, n, 1): ‖x'‖²/2 in base 2
         shift = norm + shift
         if stabilise == "all":  # the largest logit of the block's real keys: (B, H, 1, 1)
             c = key_constant(logits.amax(-1, keepdim=True).sub_(norm), key_mask)  # (rows' max: (B, H, n, 1))
@@ -205,13 +209,21 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     W, root_s = _features(q, opts, generator).to(q.dtype), math.sqrt(softmax_scale(q, scale))
     W, Wt = W.contiguous(), W.T.contiguous()  # once, not per block
 
-    def phi_k(k_blk, mask, scratch=None):  # causal: c = 0, so no future key sets it; else each
-        # block's constant (fresh tensors: _FavorMap takes no scratch)
-        return _FavorMap.apply(k_blk, W, Wt, root_s, "none" if causal else "all", mask)
+    def favor(x, stabilise, mask, scratch):  # (φ, c): into the block's scratch, given one (inference)
+        if scratch is None or x.dtype not in (torch.float32, torch.float64):
+            return _FavorMap.apply(x, W, Wt, root_s, stabilise, mask)
+        return _base2_features(torch.mul(x, root_s, out=scratch("xs", x.shape)), Wt, stabilise, mask, scratch)
 
-    out, _ = kernel_attention(q, k, v, lambda q_blk: _FavorMap.apply(q_blk, W, Wt, root_s, "row", None)[0],
-                              phi_k, width=W.shape[0], causal=causal, key_mask=key_mask, eps=opts.eps,
-                              chunk=opts.chunk, closes_over=(W,))
+    def phi_q(q_blk, scratch=None):
+        return favor(q_blk, "row", None, scratch)[0]
+
+    phi_q.takes_scratch = True  # (see apply_map)
+
+    def phi_k(k_blk, mask, scratch=None):  # causal: c = 0, so no future key sets it; else each block's
+        return favor(k_blk, "none" if causal else "all", mask, scratch)
+
+    out, _ = kernel_attention(q, k, v, phi_q, phi_k, width=W.shape[0], causal=causal, key_mask=key_mask,
+                              eps=opts.eps, chunk=opts.chunk, closes_over=(W,))
     return out
 
 
