@@ -1,0 +1,122 @@
+"""The native causal linear kernel (attnzoo._native): against the eager engine and the dense
+reference, its use by the mechanism, and the fall-back where it cannot be built."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+from attnzoo import _native
+from attnzoo.mechanisms.linear import LinearOptions, linear_flops, linear_step
+
+from mechanism_checks import random_inputs
+
+
+def _outputs(q, k, v, km, monkeypatch):
+    """(native, eager, reference) causal linear attention, without autograd."""
+    with torch.no_grad():
+        native = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km)
+        monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+        eager = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km)
+        monkeypatch.delenv("ATTNZOO_NATIVE")
+        ref = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km, reference=True)
+    return native, eager, ref
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), Lq=st.integers(1, 23), Lk=st.integers(1, 23),
+       D=st.sampled_from([1, 3, 8, 17]), Dv=st.sampled_from([1, 5, 8]), masked=st.booleans(),
+       seed=st.integers(0, 99))
+def test_native_matches_eager_and_reference_float64(B, H, Lq, Lk, D, Dv, masked, seed):
+    """Odd and unequal lengths (keys before the first query, queries before the first key),
+    padded keys, widths that are no multiple of a vector (the lanes' zero padding), B and H > 1
+    (heads split among threads), in float64 (C's exp): to the reference's rounding."""
+    q, k, v, km = random_inputs(B, H, Lq, Lk, D, Dv, seed=seed, masked=masked)
+    with pytest.MonkeyPatch.context() as mp:
+        native, eager, ref = _outputs(q, k, v, km, mp)
+    torch.testing.assert_close(native, ref, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(native, eager, atol=1e-10, rtol=1e-8)
+
+
+def test_native_float32_and_its_exp(monkeypatch):
+    """float32 runs the polynomial exp: within float32 rounding of the float64 reference, for
+    features from e^-100 (clamped at the smallest normal number, as the eager map) to 1 + 30."""
+    q, k, v, km = random_inputs(B=2, H=4, Lq=301, Lk=301, D=64, Dv=64, masked=True, seed=3)
+    q, k = q * 4, k * 4
+    q[0, 0, :10], k[0, 0, :10] = -100.0, -100.0  # features at the clamp
+    q[1, 1, 5:9], k[1, 1, 20:30] = 30.0, 30.0
+    native, eager, ref = _outputs(q.float(), k.float(), v.float(), km, monkeypatch)
+    torch.testing.assert_close(native.double(), ref.double(), atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(native, eager, atol=2e-5, rtol=2e-4)
+
+
+def test_native_kernel_runs_and_carries_the_state(monkeypatch):
+    """attention(causal linear) calls the kernel (which builds here: this machine has a C
+    compiler), and linear_step through it continues from a state token by token exactly as
+    one call over the whole sequence."""
+    calls = []
+    kernel = _native.causal_linear
+
+    def spy(*args):
+        result = kernel(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(_native, "causal_linear", spy)
+    q, k, v, _ = random_inputs(B=2, H=2, Lq=12, Lk=12, D=6, Dv=4, seed=5)
+    with torch.no_grad():
+        whole = attnzoo.attention(q, k, v, mechanism="linear", causal=True)
+        state, steps = None, []
+        for t in range(12):
+            out, state = linear_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+            steps.append(out)
+    assert calls and all(calls), calls
+    torch.testing.assert_close(torch.cat(steps, 2), whole, atol=1e-12, rtol=1e-10)
+    ref = attnzoo.attention(q, k, v, mechanism="linear", causal=True, reference=True)
+    torch.testing.assert_close(whole, ref, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("how", ["off", "no compiler", "build fails"])
+def test_without_the_kernel_the_eager_engine_answers(monkeypatch, tmp_path, how):
+    monkeypatch.setenv("ATTNZOO_CACHE", str(tmp_path))
+    if how == "off":
+        monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+    else:
+        monkeypatch.setenv("CC", "/nonexistent/cc" if how == "no compiler" else "false")
+    q, k, v, km = random_inputs(B=1, H=2, Lq=9, Lk=11, D=7, Dv=3, masked=True, seed=1)
+    S, z = torch.zeros(1, 2, 7, 3, dtype=q.dtype), torch.zeros(1, 2, 7, dtype=q.dtype)
+    assert _native.causal_linear(q, k[:, :, :9], v[:, :, :9], S, z, None, 1e-6) is None
+    assert _native.available() == (how == "build fails")
+    with torch.no_grad():
+        out = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km)
+    ref = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km, reference=True)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
+
+
+def test_flops_count_the_recurrence_where_it_runs(monkeypatch):
+    """The native kernel's work is the recurrence's 4·D·Dv + 2·D a position; the eager
+    engine's chunks add 2·chunk·(D + Dv)."""
+    B, H, L, D, Dv = 1, 8, 4096, 64, 64
+    assert linear_flops(B, H, L, L, D, Dv, True, LinearOptions()) == B * H * L * (4 * D * Dv + 2 * D)
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")
+    assert linear_flops(B, H, L, L, D, Dv, True, LinearOptions()) == B * H * L * (
+        2 * 64 * (D + Dv) + 4 * D * Dv + 2 * D)
+
+
+def test_a_forked_child_runs_the_kernel_in_a_pool_of_its_own():
+    """The pool's threads do not survive a fork: the child makes its own (else it would hang)."""
+    import multiprocessing as mp
+
+    q, k, v, _ = random_inputs(B=2, H=2, Lq=10, Lk=10, D=4, seed=2)
+    with torch.no_grad():
+        parent = attnzoo.attention(q, k, v, mechanism="linear", causal=True)  # the pool is made
+    with mp.get_context("fork").Pool(1) as pool:
+        child = pool.apply_async(_causal_linear, (q, k, v)).get(timeout=60)
+    torch.testing.assert_close(child, parent)
+
+
+def _causal_linear(q, k, v):
+    torch.set_num_threads(2)
+    with torch.no_grad():
+        return attnzoo.attention(q, k, v, mechanism="linear", causal=True)
