@@ -1,5 +1,6 @@
-"""The native causal linear kernel (attnzoo._native): against the eager engine and the dense
-reference, its use by the mechanism, and the fall-back where it cannot be built."""
+"""The native linear attention kernels (attnzoo._native): against the eager engine and the
+dense reference, causal and not, their use by the mechanism, and the fall-back where they
+cannot be built."""
 
 import pytest
 import torch
@@ -13,40 +14,42 @@ from attnzoo.mechanisms.linear import LinearOptions, linear_flops, linear_step
 from mechanism_checks import random_inputs
 
 
-def _outputs(q, k, v, km, monkeypatch):
-    """(native, eager, reference) causal linear attention, without autograd."""
+def _outputs(q, k, v, km, monkeypatch, causal=True):
+    """(native, eager, reference) linear attention, without autograd."""
+    kw = dict(mechanism="linear", causal=causal, key_mask=km)
     with torch.no_grad():
-        native = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km)
+        native = attnzoo.attention(q, k, v, **kw)
         monkeypatch.setenv("ATTNZOO_NATIVE", "0")
-        eager = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km)
+        eager = attnzoo.attention(q, k, v, **kw)
         monkeypatch.delenv("ATTNZOO_NATIVE")
-        ref = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km, reference=True)
+        ref = attnzoo.attention(q, k, v, reference=True, **kw)
     return native, eager, ref
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 3), Lq=st.integers(1, 23), Lk=st.integers(1, 23),
        D=st.sampled_from([1, 3, 8, 17]), Dv=st.sampled_from([1, 5, 8]), masked=st.booleans(),
-       seed=st.integers(0, 99))
-def test_native_matches_eager_and_reference_float64(B, H, Lq, Lk, D, Dv, masked, seed):
-    """Odd and unequal lengths (keys before the first query, queries before the first key),
-    padded keys, widths that are no multiple of a vector (the lanes' zero padding), B and H > 1
-    (heads split among threads), in float64 (C's exp): to the reference's rounding."""
+       causal=st.booleans(), seed=st.integers(0, 99))
+def test_native_matches_eager_and_reference_float64(B, H, Lq, Lk, D, Dv, masked, causal, seed):
+    """Odd and unequal lengths (causal: keys before the first query, queries before the first
+    key), padded keys, widths that are no multiple of a vector (the lanes' zero padding), B and
+    H > 1 (heads split among threads), in float64 (C's exp): to the reference's rounding."""
     q, k, v, km = random_inputs(B, H, Lq, Lk, D, Dv, seed=seed, masked=masked)
     with pytest.MonkeyPatch.context() as mp:
-        native, eager, ref = _outputs(q, k, v, km, mp)
+        native, eager, ref = _outputs(q, k, v, km, mp, causal)
     torch.testing.assert_close(native, ref, atol=1e-10, rtol=1e-8)
     torch.testing.assert_close(native, eager, atol=1e-10, rtol=1e-8)
 
 
-def test_native_float32_and_its_exp(monkeypatch):
+@pytest.mark.parametrize("causal", [True, False])
+def test_native_float32_and_its_exp(monkeypatch, causal):
     """float32 runs the polynomial exp: within float32 rounding of the float64 reference, for
     features from e^-100 (clamped at the smallest normal number, as the eager map) to 1 + 30."""
     q, k, v, km = random_inputs(B=2, H=4, Lq=301, Lk=301, D=64, Dv=64, masked=True, seed=3)
     q, k = q * 4, k * 4
     q[0, 0, :10], k[0, 0, :10] = -100.0, -100.0  # features at the clamp
     q[1, 1, 5:9], k[1, 1, 20:30] = 30.0, 30.0
-    native, eager, ref = _outputs(q.float(), k.float(), v.float(), km, monkeypatch)
+    native, eager, ref = _outputs(q.float(), k.float(), v.float(), km, monkeypatch, causal)
     torch.testing.assert_close(native.double(), ref.double(), atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(native, eager, atol=2e-5, rtol=2e-4)
 
@@ -56,25 +59,29 @@ def test_native_kernel_runs_and_carries_the_state(monkeypatch):
     compiler), and linear_step through it continues from a state token by token exactly as
     one call over the whole sequence."""
     calls = []
-    kernel = _native.causal_linear
-
-    def spy(*args):
-        result = kernel(*args)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(_native, "causal_linear", spy)
+    for name in ("causal_linear", "linear"):
+        monkeypatch.setattr(_native, name, _spy(getattr(_native, name), name, calls))
     q, k, v, _ = random_inputs(B=2, H=2, Lq=12, Lk=12, D=6, Dv=4, seed=5)
     with torch.no_grad():
+        attnzoo.attention(q, k, v, mechanism="linear")
+        assert calls == [("linear", True)]
         whole = attnzoo.attention(q, k, v, mechanism="linear", causal=True)
         state, steps = None, []
         for t in range(12):
             out, state = linear_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
             steps.append(out)
-    assert calls and all(calls), calls
+    assert len(calls) == 14 and all(ran for _, ran in calls), calls
     torch.testing.assert_close(torch.cat(steps, 2), whole, atol=1e-12, rtol=1e-10)
     ref = attnzoo.attention(q, k, v, mechanism="linear", causal=True, reference=True)
     torch.testing.assert_close(whole, ref, atol=1e-10, rtol=1e-8)
+
+
+def _spy(kernel, name, calls):
+    def spy(*args):
+        result = kernel(*args)
+        calls.append((name, result is not None))
+        return result
+    return spy
 
 
 @pytest.mark.parametrize("how", ["off", "no compiler", "build fails"])
@@ -87,11 +94,13 @@ def test_without_the_kernel_the_eager_engine_answers(monkeypatch, tmp_path, how)
     q, k, v, km = random_inputs(B=1, H=2, Lq=9, Lk=11, D=7, Dv=3, masked=True, seed=1)
     S, z = torch.zeros(1, 2, 7, 3, dtype=q.dtype), torch.zeros(1, 2, 7, dtype=q.dtype)
     assert _native.causal_linear(q, k[:, :, :9], v[:, :, :9], S, z, None, 1e-6) is None
+    assert _native.linear(q, k, v, km, 1e-6) is None
     assert _native.available() == (how == "build fails")
-    with torch.no_grad():
-        out = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km)
-    ref = attnzoo.attention(q, k, v, mechanism="linear", causal=True, key_mask=km, reference=True)
-    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
+    for causal in (True, False):
+        with torch.no_grad():
+            out = attnzoo.attention(q, k, v, mechanism="linear", causal=causal, key_mask=km)
+        ref = attnzoo.attention(q, k, v, mechanism="linear", causal=causal, key_mask=km, reference=True)
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
 
 
 def test_flops_count_the_recurrence_where_it_runs(monkeypatch):

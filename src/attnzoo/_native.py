@@ -3,7 +3,8 @@
 Causal linear attention's least work is a recurrence, S += φ(k)vᵀ then φ(q)ᵀS, one position
 after another: eager torch can only run it as chunked matmuls and a dozen passes over every
 block, ~10× its FLOP floor at L = 16384 on the benchmark's CPU. The recurrence in C keeps S in
-the L1 cache and reads each input once (native/causal_linear.c).
+the L1 cache and reads each input once (native/linear.c); so does the non-causal form, where
+eager torch takes four passes for each map φ = elu + 1 and more for the normaliser.
 
 Each (dtype, D, Dv) gets its own build (0.2 s with gcc, the sizes compiled in, so the
 compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
@@ -33,7 +34,7 @@ import torch
 
 from attnzoo._pages import fresh_empty
 
-SOURCE = Path(__file__).with_name("native") / "causal_linear.c"
+SOURCE = Path(__file__).with_name("native") / "linear.c"
 _REALS = {torch.float32: "float", torch.float64: "double"}  # the C type of each dtype built for
 _SCALARS = {"float": ctypes.c_float, "double": ctypes.c_double}
 
@@ -71,10 +72,10 @@ def _cpu() -> str:
 
 @cache
 def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
-    """The kernel built for (real, dk, dv), from the cache or compiled now; None where it fails."""
+    """The kernels built for (real, dk, dv), from the cache or compiled now; None where it fails."""
     defines = [f"-DREAL={real}", f"-DDK={dk}", f"-DDV={dv}"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *_flags(), *defines, _cpu()]).encode())
-    target = cache_dir() / f"causal_linear_{real}_{dk}x{dv}_{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"linear_{real}_{dk}x{dv}_{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,9 +90,13 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except OSError:
         return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.causal_linear.argtypes = [ptr] * 4 + [i64] * 3 + [ptr] * 3 + [i64] * 2 + [_SCALARS[real]] * 2
-    lib.causal_linear.restype = None
+    ptr, i64, scalar = ctypes.c_void_p, ctypes.c_int64, _SCALARS[real]
+    signatures = {"causal_linear": [ptr] * 4 + [i64] * 3 + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
+                  "linear_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 2 + [i64] * 2 + [scalar],
+                  "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2}
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
     return lib
 
 
@@ -117,41 +122,76 @@ def _heads(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _kernels(*ts: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels for ``ts`` = (q, k, v, ...) (B, H, ·, D) and (B, H, ·, Dv), or None where
+    they cannot run: turned off, not on the CPU, not float32/float64, or no compiler builds them."""
+    dtype = ts[0].dtype
+    if not available() or ts[0].device.type != "cpu" or dtype not in _REALS or any(
+            t.dtype != dtype for t in ts):
+        return None
+    return _library(_compiler(), _REALS[dtype], ts[0].shape[-1], ts[2].shape[-1])
+
+
+def _key_ok(key_mask, B, H, L):
+    """key_mask (B, L) as (B·H, L) bytes for the kernels (None: every key)."""
+    return None if key_mask is None else key_mask[:, None].expand(B, H, L).reshape(B * H, L).to(torch.uint8)
+
+
+def _over_heads(n: int, run) -> None:
+    """``run(a, b)`` for the heads a..b−1 of n, in parts over torch's intra-op threads."""
+    threads = max(1, min(torch.get_num_threads(), n))
+    if threads == 1:
+        return run(0, n)
+    bounds = [n * i // threads for i in range(threads + 1)]
+    for job in [_pool().submit(run, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]:
+        job.result()
+
+
+def _at(t: torch.Tensor | None, a: int, stride: int | None = None):
+    """The address of head a of ``t`` (B·H heads ``stride`` values apart, default t.stride(1))."""
+    if t is None:
+        return None
+    return t.data_ptr() + a * (t.stride(1) if stride is None else stride) * t.element_size()
+
+
 def causal_linear(q, k, v, S, z, key_mask, eps):
     """Causal linear attention, φ = elu + 1, from the state before: q, k (B, H, L, D), v (B, H, L, Dv),
     S (B, H, D, Dv), z (B, H, D) -> (out (B, H, L, Dv), S after, z after), each key j <= i for
     query i; ``key_mask`` (B, L) bool or None (False: a padded key, no part in the state).
     Queries and keys aligned (the caller handles keys before the first query). O(L·D·Dv) time,
-    O(D·Dv) memory beside the output. None where the native kernel cannot run: turned off, not
-    on the CPU, not float32/float64, or no compiler that builds it."""
-    dtype = q.dtype
-    if not available() or q.device.type != "cpu" or dtype not in _REALS or any(
-            t.dtype != dtype for t in (k, v, S, z)):
-        return None
-    B, H, L, D = q.shape
-    Dv = v.shape[-1]
-    lib = _library(_compiler(), _REALS[dtype], D, Dv)
+    O(D·Dv) memory beside the output. None where the kernels cannot run (:func:`_kernels`)."""
+    lib = _kernels(q, k, v, S, z)
     if lib is None:
         return None
+    (B, H, L, D), Dv = q.shape, v.shape[-1]
     q, k, v = _heads(q), _heads(k), _heads(v)
     S, z = S.contiguous().clone(), z.contiguous().clone()  # (overwritten with the state after)
-    out = fresh_empty(B, H, L, Dv, like=v)
-    ok = None if key_mask is None else key_mask[:, None].expand(B, H, L).reshape(B * H, L).to(torch.uint8)
-    n, size = B * H, q.element_size()
-    threads = max(1, min(torch.get_num_threads(), n))
-    bounds = [n * i // threads for i in range(threads + 1)]
-    floor = math.log(torch.finfo(dtype).tiny)
-
-    def run(a, b):  # heads a..b-1
-        lib.causal_linear(q.data_ptr() + a * q.stride(1) * size, k.data_ptr() + a * k.stride(1) * size,
-                          v.data_ptr() + a * v.stride(1) * size,
-                          None if ok is None else ok.data_ptr() + a * L,
-                          q.stride(1), k.stride(1), v.stride(1), out.data_ptr() + a * L * Dv * size,
-                          S.data_ptr() + a * D * Dv * size, z.data_ptr() + a * D * size, b - a, L, eps, floor)
-
-    if threads == 1:
-        run(0, n)
-    else:
-        for job in [_pool().submit(run, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]:
-            job.result()
+    out, ok = fresh_empty(B, H, L, Dv, like=v), _key_ok(key_mask, B, H, L)
+    floor = math.log(torch.finfo(q.dtype).tiny)
+    _over_heads(B * H, lambda a, b: lib.causal_linear(
+        _at(q, a), _at(k, a), _at(v, a), _at(ok, a, L), q.stride(1), k.stride(1), v.stride(1),
+        _at(out, a, L * Dv), _at(S, a, D * Dv), _at(z, a, D), b - a, L, eps, floor))
     return out, S, z
+
+
+def linear(q, k, v, key_mask, eps):
+    """Non-causal linear attention, φ = elu + 1: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv)
+    -> (B, H, Lq, Dv); ``key_mask`` (B, Lk) bool or None. O((Lq + Lk)·D·Dv) time, O(D·Dv)
+    memory beside the output. None where the kernels cannot run (:func:`_kernels`)."""
+    lib = _kernels(q, k, v)
+    if lib is None:
+        return None
+    (B, H, Lq, D), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    q, k, v = _heads(q), _heads(k), _heads(v)
+    S, z = q.new_empty(B * H, D, Dv), q.new_empty(B * H, D)
+    out, ok = fresh_empty(B, H, Lq, Dv, like=v), _key_ok(key_mask, B, H, Lk)
+    floor = math.log(torch.finfo(q.dtype).tiny)
+
+    def run(a, b):  # heads a..b−1: their keys' state, then their queries
+        lib.linear_keys(_at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1),
+                        _at(S, a, D * Dv), _at(z, a, D), b - a, Lk, floor)
+        lib.linear_queries(_at(q, a), q.stride(1), _at(S, a, D * Dv), _at(z, a, D),
+                           _at(out, a, Lq * Dv), b - a, Lq, eps, floor)
+
+    _over_heads(B * H, run)
+    return out

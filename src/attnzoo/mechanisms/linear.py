@@ -514,13 +514,15 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     :class:`_CausalBlocks` recomputes them backward from the saved states); with
     Lq != Lk query i sees keys j <= i + Lk - Lq (keys before the first aligned one form
     the starting state). ``kv0`` continues from a state; the state is returned when causal.
-    ``closes_over``: tensors the maps use (see :func:`stream_kernel`). ``native``: the aligned
-    causal part in inference, ``native(q, k, v, S, z, key_mask, eps) -> (out, S, z)`` or None
-    where it cannot run (see :func:`attnzoo._native.causal_linear`), in place of the blocks.
+    ``closes_over``: tensors the maps use (see :func:`stream_kernel`). ``native``: in inference,
+    kernels in place of the blocks where they run (:mod:`attnzoo._native`, for φ = elu + 1:
+    ``linear``, or ``causal_linear`` for the aligned causal part; they return None where not).
     """
     if not causal:
-        return stream_kernel(q, k, v, phi_k, Normalised(phi_q, eps), key_mask=key_mask,
-                             closes_over=closes_over), None
+        ran = None if native is None or needs_grad(q, k, v, *closes_over) else native.linear(
+            q, k, v, key_mask, eps)
+        return (ran if ran is not None else stream_kernel(
+            q, k, v, phi_k, Normalised(phi_q, eps), key_mask=key_mask, closes_over=closes_over)), None
     Lq, Lk = q.shape[2], k.shape[2]
     off = causal_offset(Lq, Lk)
     blind, start = max(0, -off), max(0, off)  # queries that see nothing; keys everyone sees
@@ -541,7 +543,8 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
         if traced and not any(t.requires_grad for t in closes_over):
             out, S, z = _CausalBlocks.apply(q_al, k_al, v_al, S, z, m_al, step, rows)
         else:  # inference (natively where given and it runs), or autograd through the maps' tensors
-            ran = None if traced or native is None else native(q_al, k_al, v_al, S, z, m_al, eps)
+            ran = None if traced or native is None else native.causal_linear(
+                q_al, k_al, v_al, S, z, m_al, eps)
             out, S, z = ran if ran is not None else _causal_run(
                 q_al, k_al, v_al, (S, z), m_al, step, rows, scratch=None if traced else Scratch(q))
     if blind:  # queries before the first key see nothing
@@ -660,8 +663,8 @@ def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=No
     time and O(L·chunk + (L/chunk)·D·Dv) memory by chunked prefix sums. Exact
     autograd. Katharopoulos et al., ICML 2020. The seed notebook's cell computes
     φ(Q)(φ(K)ᵀV) without the normaliser φ(Q)(φ(K)ᵀ1); we implement the paper's.
-    Causal inference with φ = elu + 1 runs the paper's recurrence in C where a compiler
-    builds it (:mod:`attnzoo._native`: O(L·D·Dv) time, O(D·Dv) memory, ~4x faster).
+    Inference with φ = elu + 1 runs in C where a compiler builds it (:mod:`attnzoo._native`:
+    causal, the paper's recurrence; O(L·D·Dv) time and O(D·Dv) memory either way).
     """
     _no_scale("linear", scale)
     phi = _feature_map(opts)
@@ -671,8 +674,8 @@ def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=No
 
 
 def _native_run(opts: LinearOptions):
-    """The native causal kernel where it computes this map (elu + 1), else None."""
-    return _native.causal_linear if opts.feature_map == "elu" else None
+    """The native kernels where they compute this map (elu + 1), else None."""
+    return _native if opts.feature_map == "elu" else None
 
 
 def linear_step(q, k, v, state: LinearState | None = None, opts=LinearOptions()):
@@ -697,7 +700,8 @@ def kernel_reference(phi_q, phi_k, v, *, causal, key_mask, eps):
 
 
 def linear_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
-    """FLOPs of the forward: natively (causal, elu + 1, a compiler here) the recurrence's."""
+    """FLOPs of the forward: natively (causal, elu + 1, a compiler here) the recurrence's (non-causal:
+    the same products either way)."""
     recurrent = causal and _native_run(opts) is not None and _native.available()
     return kernel_flops(B, H, Lq, Lk, D, Dv, causal, opts.chunk, recurrent)
 

@@ -1,0 +1,202 @@
+/* Linear attention with elu + 1 features (Katharopoulos et al., ICML 2020), per (batch, head):
+ * causal in its recurrent form, for t = 0 .. L-1,
+ *     S += phi(k_t) v_t^T,  z += phi(k_t),  out_t = phi(q_t)^T S / (phi(q_t) . z + eps)
+ * (causal_linear); non-causal, S and z over all keys (linear_keys), then each query's
+ * out = phi(q)^T S / (phi(q) . z + eps) (linear_queries). phi(x) = e^min(x, 0) + max(x, 0),
+ * the exponent clamped at log(the smallest normal number), as attnzoo's eager map. The state
+ * S (DK x DV) and z stay in L1 cache; two positions go through S per pass (half its loads
+ * and stores); the loops over DV are vectorised by the compiler. DK, DV and REAL (float or
+ * double) are set when it is compiled (attnzoo/_native.py). Work: 2 DK DV multiply-adds per
+ * key and per query, the algorithm's least (the FLOP floor of issue 8).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#ifndef DK
+#error "compile with -DDK=<key features> -DDV=<value width> -DREAL=<float|double>"
+#endif
+
+#define IS_FLOAT (sizeof(REAL) == 4)
+#define LANES 16 /* partial sums of the normaliser: a vector's worth, so that they vectorise */
+#define DKP ((DK + LANES - 1) / LANES * LANES)
+
+static inline REAL exp_nonpositive(REAL x, REAL floor_) {
+    /* e^x for floor_ <= x <= 0; float: a branch-free polynomial (Cephes' expf), vectorisable */
+    x = x < floor_ ? floor_ : x;
+    if (!IS_FLOAT) return exp(x);
+    const float big = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    float xf = (float)x;
+    float n = (xf * 1.44269504088896341f + big) - big;
+    float r = xf - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } two_n;
+    two_n.i = ((int32_t)n + 127) << 23;
+    return (REAL)(p * two_n.f);
+}
+
+static inline REAL phi(REAL x, REAL floor_) {
+    return (x > 0 ? x : 0) + exp_nonpositive(x < 0 ? x : 0, floor_);
+}
+
+/* The features of two rows (phi; 0 for a row that takes no part: a fill, not a product, since
+ * a padded key may hold anything), padded with zeros to whole lanes. */
+static inline __attribute__((always_inline)) void two_features(
+        const REAL *restrict xa, const REAL *restrict xb, int a_ok, int b_ok, REAL *restrict fa,
+        REAL *restrict fb, REAL floor_) {
+    for (int d = 0; d < DK; d++) {
+        fa[d] = a_ok ? phi(xa[d], floor_) : 0;
+        fb[d] = b_ok ? phi(xb[d], floor_) : 0;
+    }
+    for (int d = DK; d < DKP; d++) fa[d] = fb[d] = 0;
+}
+
+/* Steps a and b (b right after a) from the state (S, z) in place: their outputs into oa, ob.
+ * ka_ok, kb_ok: whether each key takes part (0: padded, or b is no step at all). */
+static inline __attribute__((always_inline)) void two_steps(
+        const REAL *restrict qa, const REAL *restrict ka, const REAL *restrict va,
+        const REAL *restrict qb, const REAL *restrict kb, const REAL *restrict vb, int ka_ok, int kb_ok,
+        REAL *restrict S, REAL *restrict z, REAL *restrict oa, REAL *restrict ob, REAL eps, REAL floor_) {
+    REAL fqa[DKP], fka[DKP], fqb[DKP], fkb[DKP], na[DV], nb[DV];
+    two_features(qa, qb, 1, 1, fqa, fqb, floor_);
+    two_features(ka, kb, ka_ok, kb_ok, fka, fkb, floor_);
+#if DK % LANES
+    REAL zp[DKP] = {0}; /* z padded to whole lanes */
+    for (int d = 0; d < DK; d++) zp[d] = z[d];
+#else
+    REAL *restrict zp = z;
+#endif
+    REAL la[LANES] = {0}, lb[LANES] = {0}; /* the normalisers' sums, lane by lane */
+    for (int d0 = 0; d0 < DKP; d0 += LANES)
+        for (int j = 0; j < LANES; j++) { /* z after a, after b; each query's φ(q)·z */
+            const REAL za = zp[d0 + j] + fka[d0 + j], zb = za + fkb[d0 + j];
+            la[j] += fqa[d0 + j] * za;
+            lb[j] += fqb[d0 + j] * zb;
+            zp[d0 + j] = zb;
+        }
+#if DK % LANES
+    for (int d = 0; d < DK; d++) z[d] = zp[d];
+#endif
+    REAL dena = eps, denb = eps;
+    for (int j = 0; j < LANES; j++) {
+        dena += la[j];
+        denb += lb[j];
+    }
+    for (int e = 0; e < DV; e++) na[e] = nb[e] = 0;
+    for (int d = 0; d < DK; d++) { /* one pass through S for both steps */
+        REAL *restrict Sd = S + d * DV;
+        const REAL kad = fka[d], qad = fqa[d], kbd = fkb[d], qbd = fqb[d];
+        for (int e = 0; e < DV; e++) {
+            REAL s = Sd[e] + kad * va[e];
+            na[e] += qad * s;
+            s += kbd * vb[e];
+            nb[e] += qbd * s;
+            Sd[e] = s;
+        }
+    }
+    const REAL ia = 1 / dena, ib = 1 / denb; /* (a vector division is ~16 multiplications) */
+    for (int e = 0; e < DV; e++) {
+        oa[e] = na[e] * ia;
+        ob[e] = nb[e] * ib;
+    }
+}
+
+/* n_heads (batch, head) pairs; q, k (n_heads, L, DK) and v (n_heads, L, DV) with rows of
+ * DK (DV) contiguous values, heads q_head (k_head, v_head) values apart; key_ok (n_heads, L)
+ * or null: 0 for a padded key (no part in the state); out (n_heads, L, DV) contiguous;
+ * S (n_heads, DK, DV) and z (n_heads, DK): the state before, overwritten by the state after. */
+void causal_linear(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok,
+                   int64_t q_head, int64_t k_head, int64_t v_head, REAL *out, REAL *S, REAL *z,
+                   int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *Q = q + h * q_head, *K = k + h * k_head, *V = v + h * v_head;
+        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
+        REAL *O = out + h * L * DV, *Sh = S + h * DK * DV, *zh = z + h * DK;
+        int64_t t = 0;
+        for (; t + 1 < L; t += 2)
+            two_steps(Q + t * DK, K + t * DK, V + t * DV, Q + (t + 1) * DK, K + (t + 1) * DK,
+                      V + (t + 1) * DV, ok ? ok[t] : 1, ok ? ok[t + 1] : 1, Sh, zh, O + t * DV,
+                      O + (t + 1) * DV, eps, floor_);
+        if (t < L) { /* an odd length's last step: b repeats a without its key, its output dropped */
+            REAL spare[DV];
+            two_steps(Q + t * DK, K + t * DK, V + t * DV, Q + t * DK, K + t * DK, V + t * DV,
+                      ok ? ok[t] : 1, 0, Sh, zh, O + t * DV, spare, eps, floor_);
+        }
+    }
+}
+
+/* Row r of a group of four starting at t: its address (the last row's past the end, where
+ * it takes no part) and whether it takes part. */
+#define ROW(base, t, r, L, width) ((base) + ((t) + (r) < (L) ? (t) + (r) : (L) - 1) * (width))
+#define TAKES_PART(ok, t, r, L) ((t) + (r) < (L) && (!(ok) || (ok)[(t) + (r)]))
+
+/* Non-causal keys: S = sum_j phi(k_j) v_j^T (n_heads, DK, DV) and z = sum_j phi(k_j)
+ * (n_heads, DK), written (not added), over the keys key_ok keeps (null: all); layout as
+ * causal_linear's. Four keys a pass through S. */
+void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
+                 REAL *S, REAL *z, int64_t n_heads, int64_t L, REAL floor_) {
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *K = k + h * k_head, *V = v + h * v_head;
+        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
+        REAL *restrict Sh = S + h * DK * DV, *restrict zh = z + h * DK;
+        for (int i = 0; i < DK * DV; i++) Sh[i] = 0;
+        for (int d = 0; d < DK; d++) zh[d] = 0;
+        for (int64_t t = 0; t < L; t += 4) {
+            const REAL *restrict v0 = ROW(V, t, 0, L, DV), *restrict v1 = ROW(V, t, 1, L, DV);
+            const REAL *restrict v2 = ROW(V, t, 2, L, DV), *restrict v3 = ROW(V, t, 3, L, DV);
+            REAL f0[DKP], f1[DKP], f2[DKP], f3[DKP];
+            two_features(ROW(K, t, 0, L, DK), ROW(K, t, 1, L, DK), TAKES_PART(ok, t, 0, L),
+                         TAKES_PART(ok, t, 1, L), f0, f1, floor_);
+            two_features(ROW(K, t, 2, L, DK), ROW(K, t, 3, L, DK), TAKES_PART(ok, t, 2, L),
+                         TAKES_PART(ok, t, 3, L), f2, f3, floor_);
+            for (int d = 0; d < DK; d++) {
+                REAL *restrict Sd = Sh + d * DV;
+                const REAL a0 = f0[d], a1 = f1[d], a2 = f2[d], a3 = f3[d];
+                zh[d] += (a0 + a1) + (a2 + a3);
+                for (int e = 0; e < DV; e++) Sd[e] += (a0 * v0[e] + a1 * v1[e]) + (a2 * v2[e] + a3 * v3[e]);
+            }
+        }
+    }
+}
+
+/* Non-causal queries: out = phi(q)^T S / (phi(q) . z + eps) from linear_keys' S and z, four
+ * queries a pass through S. */
+void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z, REAL *out,
+                    int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *Q = q + h * q_head, *restrict Sh = S + h * DK * DV;
+        REAL *O = out + h * L * DV, zp[DKP] = {0};
+        for (int d = 0; d < DK; d++) zp[d] = z[h * DK + d];
+        for (int64_t t = 0; t < L; t += 4) {
+            REAL f[4][DKP], n[4][DV], l[4][LANES] = {{0}}, inv[4];
+            two_features(ROW(Q, t, 0, L, DK), ROW(Q, t, 1, L, DK), 1, 1, f[0], f[1], floor_);
+            two_features(ROW(Q, t, 2, L, DK), ROW(Q, t, 3, L, DK), 1, 1, f[2], f[3], floor_);
+            for (int r = 0; r < 4; r++) {
+                for (int d0 = 0; d0 < DKP; d0 += LANES)
+                    for (int j = 0; j < LANES; j++) l[r][j] += f[r][d0 + j] * zp[d0 + j];
+                REAL den = eps;
+                for (int j = 0; j < LANES; j++) den += l[r][j];
+                inv[r] = 1 / den;
+            }
+            for (int e = 0; e < DV; e++) n[0][e] = n[1][e] = n[2][e] = n[3][e] = 0;
+            for (int d = 0; d < DK; d++) {
+                const REAL *restrict Sd = Sh + d * DV;
+                const REAL a0 = f[0][d], a1 = f[1][d], a2 = f[2][d], a3 = f[3][d];
+                for (int e = 0; e < DV; e++) {
+                    const REAL s = Sd[e];
+                    n[0][e] += a0 * s;
+                    n[1][e] += a1 * s;
+                    n[2][e] += a2 * s;
+                    n[3][e] += a3 * s;
+                }
+            }
+            for (int r = 0; r < 4 && t + r < L; r++)
+                for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e] * inv[r];
+        }
+    }
+}
