@@ -106,6 +106,7 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
     state, last block first), against the dense reference and gradcheck."""
     from attnzoo.mechanisms import linear
 
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")  # linear's blocks, not its C kernels (test_native.py)
     monkeypatch.setattr(linear, "STREAM_POSITIONS", 12)  # B·H = 6: two positions a block
     monkeypatch.setattr(linear, "CAUSAL_POSITIONS", 6)  # causal: one chunk a block
     check_gradcheck(name, Lq=5, Lk=7, masked=True)

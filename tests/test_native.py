@@ -11,7 +11,7 @@ import attnzoo
 from attnzoo import _native
 from attnzoo.mechanisms.linear import LinearOptions, linear_flops, linear_step
 
-from mechanism_checks import random_inputs
+from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
 
 
 def _outputs(q, k, v, km, monkeypatch, causal=True):
@@ -103,6 +103,16 @@ def test_without_the_kernel_the_eager_engine_answers(monkeypatch, tmp_path, how)
         torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
 
 
+def test_a_cache_it_cannot_write_builds_in_the_temporary_folder(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache folder would be: no folder can be made there
+    monkeypatch.setenv("ATTNZOO_CACHE", str(blocked / "attnzoo"))
+    _native._library.cache_clear()  # (a build loaded before would not be looked for)
+    q, k, v, _ = random_inputs(B=1, H=2, Lq=9, Lk=9, D=7, Dv=2, seed=4)
+    S, z = torch.zeros(1, 2, 7, 2, dtype=q.dtype), torch.zeros(1, 2, 7, dtype=q.dtype)
+    assert _native.causal_linear(q, k, v, S, z, None, 1e-6) is not None
+
+
 def test_flops_count_the_recurrence_where_it_runs(monkeypatch):
     """The native kernel's work is the recurrence's 4·D·Dv + 2·D a position; the eager
     engine's chunks add 2·chunk·(D + Dv)."""
@@ -129,3 +139,25 @@ def _causal_linear(q, k, v):
     torch.set_num_threads(2)
     with torch.no_grad():
         return attnzoo.attention(q, k, v, mechanism="linear", causal=True)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_native_backward_non_causal(monkeypatch, masked):
+    """Training through the native kernels (non-causal): gradients against the reference's on
+    unequal odd lengths (rows past a group of four), padded keys, D != Dv; gradcheck; and the
+    same gradients from the eager engine."""
+    calls = []
+    monkeypatch.setattr(_native, "linear", _spy(_native.linear, "linear", calls))
+    for seed, (Lq, Lk, D, Dv) in enumerate([(9, 14, 8, 5), (6, 3, 17, 8), (1, 5, 3, 1)]):
+        check_against_reference("linear", B=2, H=3, Lq=Lq, Lk=Lk, D=D, Dv=Dv, masked=masked, seed=seed)
+    check_gradcheck("linear", Lq=7, Lk=6, masked=masked)
+    assert calls and all(ran for _, ran in calls), calls
+    q, k, v, km = random_inputs(B=2, H=2, Lq=11, Lk=13, D=6, Dv=4, masked=masked, requires_grad=True)
+    g = torch.randn(2, 2, 11, 4, dtype=q.dtype)
+    grads = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("ATTNZOO_NATIVE", native)
+        out = attnzoo.attention(q, k, v, mechanism="linear", key_mask=km)
+        grads.append(torch.autograd.grad(out, (q, k, v), g))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)

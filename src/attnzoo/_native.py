@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from attnzoo._pages import fresh_empty
+from attnzoo._pages import fresh_empty, fresh_like
 
 SOURCE = Path(__file__).with_name("native") / "linear.c"
 _REALS = {torch.float32: "float", torch.float64: "double"}  # the C type of each dtype built for
@@ -75,17 +75,14 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
     """The kernels built for (real, dk, dv), from the cache or compiled now; None where it fails."""
     defines = [f"-DREAL={real}", f"-DDK={dk}", f"-DDV={dv}"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *_flags(), *defines, _cpu()]).encode())
-    target = cache_dir() / f"linear_{real}_{dk}x{dv}_{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then one atomic rename:
-                built = Path(tmp) / target.name  # a concurrent build or reader never sees half a file
-                subprocess.run([cc, *_flags(), *defines, str(SOURCE), "-o", str(built), "-lm"],
-                               check=True, capture_output=True, timeout=120)
-                os.replace(built, target)
-        except (OSError, subprocess.SubprocessError):
-            return None
+    name = f"linear_{real}_{dk}x{dv}_{key.hexdigest()[:16]}.so"
+    user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"attnzoo{user}"):
+        target = folder / name  # (the temporary folder where the cache cannot be written)
+        if target.exists() or _build(cc, defines, target):
+            break
+    else:
+        return None
     try:
         lib = ctypes.CDLL(str(target))
     except OSError:
@@ -93,11 +90,27 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
     ptr, i64, scalar = ctypes.c_void_p, ctypes.c_int64, _SCALARS[real]
     signatures = {"causal_linear": [ptr] * 4 + [i64] * 3 + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
                   "linear_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 2 + [i64] * 2 + [scalar],
-                  "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2}
+                  "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
+                  "linear_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 2 + [scalar] * 2,
+                  "linear_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 4 + [i64] * 2 + [scalar]}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name.endswith("_grad") else None)
     return lib
+
+
+def _build(cc: str, defines: list[str], target: Path) -> bool:
+    """Compile the source into ``target``; whether it worked."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then one atomic rename:
+            built = Path(tmp) / target.name  # a concurrent build or reader never sees half a file
+            subprocess.run([cc, *_flags(), *defines, str(SOURCE), "-o", str(built), "-lm"],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(built, target)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _compiler() -> str | None:
@@ -177,10 +190,18 @@ def causal_linear(q, k, v, S, z, key_mask, eps):
 def linear(q, k, v, key_mask, eps):
     """Non-causal linear attention, φ = elu + 1: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv)
     -> (B, H, Lq, Dv); ``key_mask`` (B, Lk) bool or None. O((Lq + Lk)·D·Dv) time, O(D·Dv)
-    memory beside the output. None where the kernels cannot run (:func:`_kernels`)."""
+    memory beside the output; under autograd the backward is native too (:class:`_Linear`).
+    None where the kernels cannot run (:func:`_kernels`)."""
     lib = _kernels(q, k, v)
     if lib is None:
         return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Linear.apply(q, k, v, key_mask, eps, lib)
+    return _linear_forward(lib, q, k, v, key_mask, eps)[0]
+
+
+def _linear_forward(lib, q, k, v, key_mask, eps):
+    """(out, S (B·H, D, Dv), z (B·H, D)) of :func:`linear`."""
     (B, H, Lq, D), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
     q, k, v = _heads(q), _heads(k), _heads(v)
     S, z = q.new_empty(B * H, D, Dv), q.new_empty(B * H, D)
@@ -194,4 +215,40 @@ def linear(q, k, v, key_mask, eps):
                            _at(out, a, Lq * Dv), b - a, Lq, eps, floor)
 
     _over_heads(B * H, run)
-    return out
+    return out, S, z
+
+
+class _Linear(torch.autograd.Function):
+    """:func:`linear` under autograd: the forward keeps S and z (no features), the backward
+    recomputes the features row by row in C. With f = φ(q), den = f·z + eps, gn = g/den,
+    df = S gn and gden = −(f·df)/den: dq = (df + gden z) ⊙ φ'(q), dS = Σ f gnᵀ, dz = Σ f gden;
+    then dv = dSᵀφ(k) and dk = (dS v + dz) ⊙ φ'(k) (0 for padded keys)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, eps, lib):
+        out, S, z = _linear_forward(lib, q, k, v, key_mask, eps)
+        ctx.save_for_backward(q, k, v, key_mask, S, z)
+        ctx.eps, ctx.lib = eps, lib
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, key_mask, S, z = ctx.saved_tensors
+        lib, (B, H, Lq, D), Lk, Dv = ctx.lib, q.shape, k.shape[2], v.shape[-1]
+        q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
+        dq, dk, dv = fresh_like(q, k, v)
+        dS, dz, ok = torch.empty_like(S), torch.empty_like(z), _key_ok(key_mask, B, H, Lk)
+        floor = math.log(torch.finfo(q.dtype).tiny)
+
+        def run(a, b):  # heads a..b−1: dq, dS, dz, then dk, dv
+            failed = lib.linear_queries_grad(
+                _at(q, a), _at(g, a), q.stride(1), g.stride(1), _at(S, a, D * Dv), _at(z, a, D),
+                _at(dq, a, Lq * D), _at(dS, a, D * Dv), _at(dz, a, D), b - a, Lq, ctx.eps, floor)
+            failed = failed or lib.linear_keys_grad(
+                _at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1), _at(dS, a, D * Dv),
+                _at(dz, a, D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a, Lk, floor)
+            if failed:
+                raise MemoryError("attnzoo native linear backward: no memory for a (D, Dv) buffer")
+
+        _over_heads(B * H, run)
+        return dq, dk, dv, None, None, None

@@ -519,8 +519,7 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     ``linear``, or ``causal_linear`` for the aligned causal part; they return None where not).
     """
     if not causal:
-        ran = None if native is None or needs_grad(q, k, v, *closes_over) else native.linear(
-            q, k, v, key_mask, eps)
+        ran = None if native is None or needs_grad(*closes_over) else native.linear(q, k, v, key_mask, eps)
         return (ran if ran is not None else stream_kernel(
             q, k, v, phi_k, Normalised(phi_q, eps), key_mask=key_mask, closes_over=closes_over)), None
     Lq, Lk = q.shape[2], k.shape[2]

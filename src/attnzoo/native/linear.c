@@ -7,10 +7,12 @@
  * S (DK x DV) and z stay in L1 cache; two positions go through S per pass (half its loads
  * and stores); the loops over DV are vectorised by the compiler. DK, DV and REAL (float or
  * double) are set when it is compiled (attnzoo/_native.py). Work: 2 DK DV multiply-adds per
- * key and per query, the algorithm's least (the FLOP floor of issue 8).
+ * key and per query, the algorithm's least (the FLOP floor of issue 8). The non-causal
+ * backward (linear_queries_grad, linear_keys_grad) likewise: 4 DK DV a position.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #ifndef DK
 #error "compile with -DDK=<key features> -DDV=<value width> -DREAL=<float|double>"
@@ -54,6 +56,15 @@ static inline __attribute__((always_inline)) void two_features(
         fb[d] = b_ok ? phi(xb[d], floor_) : 0;
     }
     for (int d = DK; d < DKP; d++) fa[d] = fb[d] = 0;
+}
+
+/* init + a . b over DKP values (zero past DK), summed lane by lane (so that it vectorises). */
+static inline REAL dot_lanes(const REAL *restrict a, const REAL *restrict b, REAL init) {
+    REAL l[LANES] = {0};
+    for (int d0 = 0; d0 < DKP; d0 += LANES)
+        for (int j = 0; j < LANES; j++) l[j] += a[d0 + j] * b[d0 + j];
+    for (int j = 0; j < LANES; j++) init += l[j];
+    return init;
 }
 
 /* Steps a and b (b right after a) from the state (S, z) in place: their outputs into oa, ob.
@@ -199,4 +210,128 @@ void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z,
                 for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e] * inv[r];
         }
     }
+}
+
+/* Transpose of a (rows x cols) matrix into t (cols x rows). */
+static void transpose(const REAL *restrict a, REAL *restrict t, int rows, int cols) {
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) t[j * rows + i] = a[i * cols + j];
+}
+
+/* phi'(x) from phi(x): 1 above 0, e^x = phi(x) below. */
+static inline REAL phi_slope(REAL f) { return f < 1 ? f : 1; }
+
+/* Non-causal backward, query side, from the output's gradient g (rows of DV, heads g_head
+ * apart): with f = phi(q), den = f . z + eps, gn = g / den, df = S gn and gden = -(f . df) / den:
+ * dq = (df + gden z) * phi'(q) (n_heads, L, DK); dS = sum f gn^T (n_heads, DK, DV) and
+ * dz = sum f gden (n_heads, DK), written. Four queries a pass through S^T and dS.
+ * Returns 0, or -1 where memory for S^T could not be had. */
+int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_head, const REAL *S,
+                        const REAL *z, REAL *dq, REAL *dS, REAL *dz, int64_t n_heads, int64_t L,
+                        REAL eps, REAL floor_) {
+    REAL *St = malloc(sizeof(REAL) * DK * DV);
+    if (!St) return -1;
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *Q = q + h * q_head, *G = g + h * g_head, *zh = z + h * DK;
+        REAL *restrict dSh = dS + h * DK * DV, *restrict dzh = dz + h * DK, *DQ = dq + h * L * DK;
+        REAL zp[DKP] = {0};
+        for (int d = 0; d < DK; d++) zp[d] = zh[d];
+        transpose(S + h * DK * DV, St, DK, DV);
+        for (int i = 0; i < DK * DV; i++) dSh[i] = 0;
+        for (int d = 0; d < DK; d++) dzh[d] = 0;
+        for (int64_t t = 0; t < L; t += 4) {
+            REAL f[4][DKP], df[4][DKP], gn[4][DV], gden[4], den[4];
+            two_features(ROW(Q, t, 0, L, DK), ROW(Q, t, 1, L, DK), 1, 1, f[0], f[1], floor_);
+            two_features(ROW(Q, t, 2, L, DK), ROW(Q, t, 3, L, DK), 1, 1, f[2], f[3], floor_);
+            for (int r = 0; r < 4; r++) {
+                const int real = t + r < L; /* a row past the end takes no part: gn = 0 */
+                const REAL *gr = ROW(G, t, r, L, DV);
+                den[r] = dot_lanes(f[r], zp, eps);
+                const REAL inv = real ? 1 / den[r] : 0;
+                for (int e = 0; e < DV; e++) gn[r][e] = gr[e] * inv;
+                for (int d = 0; d < DKP; d++) df[r][d] = 0; /* (zero past DK: dot_lanes reads it) */
+            }
+            for (int e = 0; e < DV; e++) { /* df = S gn, four rows a pass through S^T */
+                const REAL *restrict Ste = St + e * DK;
+                const REAL w0 = gn[0][e], w1 = gn[1][e], w2 = gn[2][e], w3 = gn[3][e];
+                for (int d = 0; d < DK; d++) {
+                    df[0][d] += w0 * Ste[d];
+                    df[1][d] += w1 * Ste[d];
+                    df[2][d] += w2 * Ste[d];
+                    df[3][d] += w3 * Ste[d];
+                }
+            }
+            for (int r = 0; r < 4; r++) gden[r] = t + r < L ? -dot_lanes(f[r], df[r], 0) / den[r] : 0;
+            for (int d = 0; d < DK; d++) {
+                REAL *restrict dSd = dSh + d * DV;
+                const REAL a0 = f[0][d], a1 = f[1][d], a2 = f[2][d], a3 = f[3][d];
+                dzh[d] += (a0 * gden[0] + a1 * gden[1]) + (a2 * gden[2] + a3 * gden[3]);
+                for (int e = 0; e < DV; e++)
+                    dSd[e] += (a0 * gn[0][e] + a1 * gn[1][e]) + (a2 * gn[2][e] + a3 * gn[3][e]);
+            }
+            for (int r = 0; r < 4 && t + r < L; r++)
+                for (int d = 0; d < DK; d++)
+                    DQ[(t + r) * DK + d] = (df[r][d] + gden[r] * zh[d]) * phi_slope(f[r][d]);
+        }
+    }
+    free(St);
+    return 0;
+}
+
+/* Non-causal backward, key side, from dS and dz: dv = dS^T phi(k) (n_heads, L, DV) and
+ * dk = (dS v + dz) * phi'(k) (n_heads, L, DK), 0 for a key key_ok leaves out. Four keys a
+ * pass through dS and dS^T. Returns 0, or -1 where memory for dS^T could not be had. */
+int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
+                     const REAL *dS, const REAL *dz, REAL *dk, REAL *dv, int64_t n_heads, int64_t L,
+                     REAL floor_) {
+    REAL *dSt = malloc(sizeof(REAL) * DK * DV);
+    if (!dSt) return -1;
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *K = k + h * k_head, *V = v + h * v_head, *restrict dSh = dS + h * DK * DV;
+        const REAL *dzh = dz + h * DK;
+        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
+        REAL *DK_ = dk + h * L * DK, *DV_ = dv + h * L * DV;
+        transpose(dSh, dSt, DK, DV);
+        for (int64_t t = 0; t < L; t += 4) {
+            REAL f[4][DKP], df[4][DK], o[4][DV];
+            int part[4];
+            for (int r = 0; r < 4; r++) part[r] = TAKES_PART(ok, t, r, L);
+            two_features(ROW(K, t, 0, L, DK), ROW(K, t, 1, L, DK), part[0], part[1], f[0], f[1], floor_);
+            two_features(ROW(K, t, 2, L, DK), ROW(K, t, 3, L, DK), part[2], part[3], f[2], f[3], floor_);
+            for (int r = 0; r < 4; r++)
+                for (int e = 0; e < DV; e++) o[r][e] = 0;
+            for (int d = 0; d < DK; d++) {
+                const REAL *restrict dSd = dSh + d * DV;
+                const REAL a0 = f[0][d], a1 = f[1][d], a2 = f[2][d], a3 = f[3][d];
+                for (int e = 0; e < DV; e++) {
+                    const REAL s = dSd[e];
+                    o[0][e] += a0 * s;
+                    o[1][e] += a1 * s;
+                    o[2][e] += a2 * s;
+                    o[3][e] += a3 * s;
+                }
+            }
+            const REAL *v0 = ROW(V, t, 0, L, DV), *v1 = ROW(V, t, 1, L, DV);
+            const REAL *v2 = ROW(V, t, 2, L, DV), *v3 = ROW(V, t, 3, L, DV);
+            for (int r = 0; r < 4; r++)
+                for (int d = 0; d < DK; d++) df[r][d] = dzh[d];
+            for (int e = 0; e < DV; e++) { /* df = dS v + dz, four rows a pass through dS^T */
+                const REAL *restrict dSte = dSt + e * DK;
+                const REAL w0 = v0[e], w1 = v1[e], w2 = v2[e], w3 = v3[e];
+                for (int d = 0; d < DK; d++) {
+                    df[0][d] += w0 * dSte[d];
+                    df[1][d] += w1 * dSte[d];
+                    df[2][d] += w2 * dSte[d];
+                    df[3][d] += w3 * dSte[d];
+                }
+            }
+            for (int r = 0; r < 4 && t + r < L; r++) {
+                for (int e = 0; e < DV; e++) DV_[(t + r) * DV + e] = o[r][e];
+                for (int d = 0; d < DK; d++) /* (a select: a padded key's v may hold anything) */
+                    DK_[(t + r) * DK + d] = part[r] ? df[r][d] * phi_slope(f[r][d]) : 0;
+            }
+        }
+    }
+    free(dSt);
+    return 0;
 }
