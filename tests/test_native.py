@@ -161,3 +161,34 @@ def test_native_backward_non_causal(monkeypatch, masked):
         grads.append(torch.autograd.grad(out, (q, k, v), g))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), Lq=st.integers(1, 23), Lk=st.integers(1, 23),
+       D=st.sampled_from([1, 3, 8, 17]), Dv=st.sampled_from([1, 5, 8]), masked=st.booleans(),
+       seed=st.integers(0, 99))
+def test_native_efficient_matches_eager_and_reference(B, H, Lq, Lk, D, Dv, masked, seed):
+    """Efficient attention in C, forward and gradients, against the reference and the eager engine."""
+    q, k, v, km = random_inputs(B, H, Lq, Lk, D, Dv, seed=seed, masked=masked, requires_grad=True)
+    g = torch.randn(B, H, Lq, Dv, dtype=q.dtype)
+    results = []
+    with pytest.MonkeyPatch.context() as mp:
+        for how in ("native", "eager", "reference"):
+            mp.setenv("ATTNZOO_NATIVE", "0" if how == "eager" else "1")
+            out = attnzoo.attention(q, k, v, mechanism="efficient", key_mask=km, reference=how == "reference")
+            results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for native, other in ((results[0], results[1]), (results[0], results[2])):
+        for a, b in zip(native, other, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+def test_native_efficient_runs_float32_and_gradcheck(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_native, "efficient", _spy(_native.efficient, "efficient", calls))
+    check_gradcheck("efficient", masked=True, Lq=5, Lk=7)
+    q, k, v, km = random_inputs(B=2, H=4, Lq=301, Lk=257, D=64, Dv=64, masked=True, seed=3)
+    with torch.no_grad():
+        native = attnzoo.attention(q.float(), k.float(), v.float(), mechanism="efficient", key_mask=km)
+    ref = attnzoo.attention(q, k, v, mechanism="efficient", key_mask=km, reference=True)
+    torch.testing.assert_close(native.double(), ref, atol=2e-6, rtol=2e-5)
+    assert len(calls) >= 2 and all(ran for _, ran in calls), calls

@@ -3,8 +3,9 @@
 Causal linear attention's least work is a recurrence, S += φ(k)vᵀ then φ(q)ᵀS, one position
 after another: eager torch can only run it as chunked matmuls and a dozen passes over every
 block, ~10× its FLOP floor at L = 16384 on the benchmark's CPU. The recurrence in C keeps S in
-the L1 cache and reads each input once (native/linear.c); so does the non-causal form, where
-eager torch takes four passes for each map φ = elu + 1 and more for the normaliser.
+the L1 cache and reads each input once (native/kernels.c); so does the non-causal form, where
+eager torch takes four passes for each map φ = elu + 1 and more for the normaliser, and so
+does efficient attention (two softmaxes and two small products).
 
 Each (dtype, D, Dv) gets its own build (0.2 s with gcc, the sizes compiled in, so the
 compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
@@ -34,7 +35,7 @@ import torch
 
 from attnzoo._pages import fresh_empty, fresh_like
 
-SOURCE = Path(__file__).with_name("native") / "linear.c"
+SOURCE = Path(__file__).with_name("native") / "kernels.c"
 _REALS = {torch.float32: "float", torch.float64: "double"}  # the C type of each dtype built for
 _SCALARS = {"float": ctypes.c_float, "double": ctypes.c_double}
 
@@ -75,7 +76,7 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
     """The kernels built for (real, dk, dv), from the cache or compiled now; None where it fails."""
     defines = [f"-DREAL={real}", f"-DDK={dk}", f"-DDV={dv}"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *_flags(), *defines, _cpu()]).encode())
-    name = f"linear_{real}_{dk}x{dv}_{key.hexdigest()[:16]}.so"
+    name = f"kernels_{real}_{dk}x{dv}_{key.hexdigest()[:16]}.so"
     user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"attnzoo{user}"):
         target = folder / name  # (the temporary folder where the cache cannot be written)
@@ -92,7 +93,11 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
                   "linear_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 2 + [i64] * 2 + [scalar],
                   "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
                   "linear_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 2 + [scalar] * 2,
-                  "linear_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 4 + [i64] * 2 + [scalar]}
+                  "linear_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 4 + [i64] * 2 + [scalar],
+                  "efficient_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
+                  "efficient_queries": [ptr, i64] + [ptr] * 2 + [i64] * 2 + [scalar],
+                  "efficient_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 2 + [scalar],
+                  "efficient_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 6 + [i64] * 2 + [scalar] * 2}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name.endswith("_grad") else None)
@@ -252,3 +257,71 @@ class _Linear(torch.autograd.Function):
 
         _over_heads(B * H, run)
         return dq, dk, dv, None, None, None
+
+
+def efficient(q, k, v, key_mask):
+    """Efficient attention, σ_features(q) (Σ_j E_j v_jᵀ / Σ_j E_j) with E = exp(k − c) (c: each
+    feature's max over the real keys): q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) ->
+    (B, H, Lq, Dv); ``key_mask`` (B, Lk) bool or None. O((Lq + Lk)·D·Dv) time, O(D·Dv) memory
+    beside the output; under autograd the backward is native too (:class:`_EfficientNative`).
+    None where the kernels cannot run (:func:`_kernels`)."""
+    lib = _kernels(q, k, v)
+    if lib is None:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _EfficientNative.apply(q, k, v, key_mask, lib)
+    return _efficient_forward(lib, q, k, v, key_mask)[0]
+
+
+def _efficient_forward(lib, q, k, v, key_mask):
+    """(out, G (B·H, D, Dv), z (B·H, D), c (B·H, D)) of :func:`efficient`."""
+    (B, H, Lq, D), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    q, k, v = _heads(q), _heads(k), _heads(v)
+    G, z, c = q.new_empty(B * H, D, Dv), q.new_empty(B * H, D), q.new_empty(B * H, D)
+    out, ok = fresh_empty(B, H, Lq, Dv, like=v), _key_ok(key_mask, B, H, Lk)
+    info = torch.finfo(q.dtype)
+
+    def run(a, b):  # heads a..b−1: their keys' G, then their queries
+        lib.efficient_keys(_at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1),
+                           _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), b - a, Lk, info.tiny,
+                           math.log(info.tiny))
+        lib.efficient_queries(_at(q, a), q.stride(1), _at(G, a, D * Dv), _at(out, a, Lq * Dv), b - a, Lq,
+                              math.log(info.tiny))
+
+    _over_heads(B * H, run)
+    return out, G, z, c
+
+
+class _EfficientNative(torch.autograd.Function):
+    """:func:`efficient` under autograd: the forward keeps G, z and c, the backward recomputes
+    each row's softmax or weights in C. With p = σ(q): dq = p ⊙ (G g − p·G g), dG = Σ p gᵀ; then
+    dS = dG / z, dz = −(dG·G)/z (0 where no real key), and per key dk = E ⊙ (dS v + dz), dv = dSᵀE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, lib):
+        out, G, z, c = _efficient_forward(lib, q, k, v, key_mask)
+        ctx.save_for_backward(q, k, v, key_mask, G, z, c)
+        ctx.lib = lib
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, key_mask, G, z, c = ctx.saved_tensors
+        lib, (B, H, Lq, D), Lk, Dv = ctx.lib, q.shape, k.shape[2], v.shape[-1]
+        q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
+        dq, dk, dv = fresh_like(q, k, v)
+        dG, ok, info = torch.empty_like(G), _key_ok(key_mask, B, H, Lk), torch.finfo(q.dtype)
+
+        def run(a, b):  # heads a..b−1: dq and dG, then dk and dv
+            failed = lib.efficient_queries_grad(
+                _at(q, a), _at(g, a), q.stride(1), g.stride(1), _at(G, a, D * Dv), _at(dq, a, Lq * D),
+                _at(dG, a, D * Dv), b - a, Lq, math.log(info.tiny))
+            failed = failed or lib.efficient_keys_grad(
+                _at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1), _at(G, a, D * Dv),
+                _at(z, a, D), _at(c, a, D), _at(dG, a, D * Dv), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv),
+                b - a, Lk, info.tiny, math.log(info.tiny))
+            if failed:
+                raise MemoryError("attnzoo native efficient backward: no memory for a (D, Dv) buffer")
+
+        _over_heads(B * H, run)
+        return dq, dk, dv, None, None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnzoo import _native
 from attnzoo._pages import Scratch, fresh_empty, fresh_like
 from attnzoo.mechanisms._common import LOG2E, finite_or_zero, needs_grad, wide
 from attnzoo.mechanisms.linear import _key_blocks, _no_scale, stream_rows
@@ -35,10 +36,14 @@ def efficient_attention(q, k, v, opts=EfficientOptions(), *, causal=False, key_m
     and one product, out = exp(q − max) G / rowsum. Both exponentials are 2^(log2 e·x): torch's
     softmax ran at about half that speed on this CPU, and copied each strided block first.
     Training recomputes the blocks in the backward (:class:`_Efficient`): no (L, D) tensor is
-    kept but the inputs.
+    kept but the inputs. Where a C compiler builds them, the same sums run row by row in C,
+    forward and backward (:func:`attnzoo._native.efficient`; ``ATTNZOO_NATIVE=0``: this path).
     """
     _no_scale("efficient", scale)
     out_dtype, (q, k, v) = q.dtype, (wide(t) for t in (q, k, v))  # half precision: float32 inside
+    ran = _native.efficient(q, k, v, key_mask)  # C where a compiler builds it
+    if ran is not None:
+        return ran.to(out_dtype)
     if needs_grad(q, k, v):
         return _Efficient.apply(q, k, v, key_mask).to(out_dtype)
     return _forward(q, k, v, key_mask, Scratch(q))[0].to(out_dtype)

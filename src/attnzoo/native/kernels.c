@@ -1,4 +1,7 @@
-/* Linear attention with elu + 1 features (Katharopoulos et al., ICML 2020), per (batch, head):
+/* attnzoo's native kernels: linear and efficient attention, whose least work is a few
+ * products of each row with a small (DK x DV) state.
+ *
+ * Linear attention with elu + 1 features (Katharopoulos et al., ICML 2020), per (batch, head):
  * causal in its recurrent form, for t = 0 .. L-1,
  *     S += phi(k_t) v_t^T,  z += phi(k_t),  out_t = phi(q_t)^T S / (phi(q_t) . z + eps)
  * (causal_linear); non-causal, S and z over all keys (linear_keys), then each query's
@@ -332,6 +335,208 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
             }
         }
     }
+    free(dSt);
+    return 0;
+}
+
+/* ---- Efficient attention (Shen et al., WACV 2021): out = softmax_features(q) G with
+ * G = sum_j E_j v_j^T / z, E_j = exp(k_j - c) (c: each feature's max over the kept keys,
+ * 0 where none), z = sum_j E_j (at least the smallest normal number). */
+
+/* Keys: G (n_heads, DK, DV), z (n_heads, DK, unclamped) and c (n_heads, DK), written. */
+void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
+                    REAL *G, REAL *z, REAL *c, int64_t n_heads, int64_t L, REAL tiny, REAL floor_) {
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *K = k + h * k_head, *V = v + h * v_head;
+        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
+        REAL *restrict Gh = G + h * DK * DV, *restrict zh = z + h * DK, *restrict ch = c + h * DK;
+        for (int d = 0; d < DK; d++) ch[d] = -INFINITY;
+        for (int64_t t = 0; t < L; t++)
+            if (!ok || ok[t])
+                for (int d = 0; d < DK; d++) ch[d] = K[t * DK + d] > ch[d] ? K[t * DK + d] : ch[d];
+        for (int d = 0; d < DK; d++) ch[d] = isfinite(ch[d]) ? ch[d] : 0;
+        for (int i = 0; i < DK * DV; i++) Gh[i] = 0;
+        for (int d = 0; d < DK; d++) zh[d] = 0;
+        for (int64_t t = 0; t < L; t += 4) {
+            const REAL *restrict v0 = ROW(V, t, 0, L, DV), *restrict v1 = ROW(V, t, 1, L, DV);
+            const REAL *restrict v2 = ROW(V, t, 2, L, DV), *restrict v3 = ROW(V, t, 3, L, DV);
+            REAL E[4][DK];
+            for (int r = 0; r < 4; r++) {
+                const REAL *kr = ROW(K, t, r, L, DK);
+                const int part = TAKES_PART(ok, t, r, L);
+                for (int d = 0; d < DK; d++) E[r][d] = part ? exp_nonpositive(kr[d] - ch[d], floor_) : 0;
+            }
+            for (int d = 0; d < DK; d++) {
+                REAL *restrict Gd = Gh + d * DV;
+                const REAL a0 = E[0][d], a1 = E[1][d], a2 = E[2][d], a3 = E[3][d];
+                zh[d] += (a0 + a1) + (a2 + a3);
+                for (int e = 0; e < DV; e++) Gd[e] += (a0 * v0[e] + a1 * v1[e]) + (a2 * v2[e] + a3 * v3[e]);
+            }
+        }
+        for (int d = 0; d < DK; d++) {
+            const REAL inv = 1 / (zh[d] > tiny ? zh[d] : tiny);
+            for (int e = 0; e < DV; e++) Gh[d * DV + e] *= inv;
+        }
+    }
+}
+
+/* A query row's softmax over its features into p (zero past DK). */
+static inline void row_softmax(const REAL *restrict x, REAL *restrict p, REAL floor_) {
+    REAL xp[DKP], lane[LANES], top, sum[LANES] = {0}, total = 0; /* max and sum lane by lane */
+    for (int d = 0; d < DKP; d++) xp[d] = x[d < DK ? d : 0]; /* (padded with x[0]: no new max) */
+    for (int j = 0; j < LANES; j++) lane[j] = xp[j];
+    for (int d0 = LANES; d0 < DKP; d0 += LANES)
+        for (int j = 0; j < LANES; j++) lane[j] = xp[d0 + j] > lane[j] ? xp[d0 + j] : lane[j];
+    top = lane[0];
+    for (int j = 1; j < LANES; j++) top = lane[j] > top ? lane[j] : top;
+    for (int d = 0; d < DK; d++) p[d] = exp_nonpositive(x[d] - top, floor_);
+    for (int d = DK; d < DKP; d++) p[d] = 0;
+    for (int d0 = 0; d0 < DKP; d0 += LANES)
+        for (int j = 0; j < LANES; j++) sum[j] += p[d0 + j];
+    for (int j = 0; j < LANES; j++) total += sum[j];
+    const REAL inv = 1 / total;
+    for (int d = 0; d < DK; d++) p[d] *= inv;
+}
+
+/* Queries: out = softmax(q) G (n_heads, L, DV), four queries a pass through G. */
+void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, int64_t n_heads, int64_t L,
+                       REAL floor_) {
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *Q = q + h * q_head, *restrict Gh = G + h * DK * DV;
+        REAL *O = out + h * L * DV;
+        for (int64_t t = 0; t < L; t += 4) {
+            REAL p[4][DKP], n[4][DV];
+            for (int r = 0; r < 4; r++) row_softmax(ROW(Q, t, r, L, DK), p[r], floor_);
+            for (int e = 0; e < DV; e++) n[0][e] = n[1][e] = n[2][e] = n[3][e] = 0;
+            for (int d = 0; d < DK; d++) {
+                const REAL *restrict Gd = Gh + d * DV;
+                const REAL a0 = p[0][d], a1 = p[1][d], a2 = p[2][d], a3 = p[3][d];
+                for (int e = 0; e < DV; e++) {
+                    n[0][e] += a0 * Gd[e];
+                    n[1][e] += a1 * Gd[e];
+                    n[2][e] += a2 * Gd[e];
+                    n[3][e] += a3 * Gd[e];
+                }
+            }
+            for (int r = 0; r < 4 && t + r < L; r++)
+                for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e];
+        }
+    }
+}
+
+/* Backward, query side: with p = softmax(q) and dp = G g, dq = p * (dp - p . dp) (n_heads, L, DK)
+ * and dG = sum p g^T (n_heads, DK, DV), written. Returns 0, or -1 without memory for G^T. */
+int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_head, const REAL *G,
+                           REAL *dq, REAL *dG, int64_t n_heads, int64_t L, REAL floor_) {
+    REAL *Gt = malloc(sizeof(REAL) * DK * DV);
+    if (!Gt) return -1;
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *Q = q + h * q_head, *Gr = g + h * g_head;
+        REAL *restrict dGh = dG + h * DK * DV, *DQ = dq + h * L * DK;
+        transpose(G + h * DK * DV, Gt, DK, DV);
+        for (int i = 0; i < DK * DV; i++) dGh[i] = 0;
+        for (int64_t t = 0; t < L; t += 4) {
+            REAL p[4][DKP], dp[4][DKP], gr[4][DV];
+            for (int r = 0; r < 4; r++) {
+                row_softmax(ROW(Q, t, r, L, DK), p[r], floor_);
+                const REAL *row = ROW(Gr, t, r, L, DV), real = t + r < L; /* past the end: g = 0 */
+                for (int e = 0; e < DV; e++) gr[r][e] = row[e] * real;
+                for (int d = 0; d < DKP; d++) dp[r][d] = 0;
+            }
+            for (int e = 0; e < DV; e++) { /* dp = G g, four rows a pass through G^T */
+                const REAL *restrict Gte = Gt + e * DK;
+                const REAL w0 = gr[0][e], w1 = gr[1][e], w2 = gr[2][e], w3 = gr[3][e];
+                for (int d = 0; d < DK; d++) {
+                    dp[0][d] += w0 * Gte[d];
+                    dp[1][d] += w1 * Gte[d];
+                    dp[2][d] += w2 * Gte[d];
+                    dp[3][d] += w3 * Gte[d];
+                }
+            }
+            for (int d = 0; d < DK; d++) {
+                REAL *restrict dGd = dGh + d * DV;
+                const REAL a0 = p[0][d], a1 = p[1][d], a2 = p[2][d], a3 = p[3][d];
+                for (int e = 0; e < DV; e++)
+                    dGd[e] += (a0 * gr[0][e] + a1 * gr[1][e]) + (a2 * gr[2][e] + a3 * gr[3][e]);
+            }
+            for (int r = 0; r < 4 && t + r < L; r++) {
+                const REAL pdp = dot_lanes(p[r], dp[r], 0);
+                for (int d = 0; d < DK; d++) DQ[(t + r) * DK + d] = p[r][d] * (dp[r][d] - pdp);
+            }
+        }
+    }
+    free(Gt);
+    return 0;
+}
+
+/* Backward, key side, from dG: dS = dG / z and dz = -(dG . G) / z per feature (0 where z is
+ * clamped: no kept key); per key E = exp(k - c): dk = E * (dS v + dz), dv = dS^T E
+ * (0 for a key key_ok leaves out). Returns 0, or -1 without memory for dS^T. */
+int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
+                        const REAL *G, const REAL *z, const REAL *c, const REAL *dG, REAL *dk, REAL *dv,
+                        int64_t n_heads, int64_t L, REAL tiny, REAL floor_) {
+    REAL *dS = malloc(sizeof(REAL) * DK * DV), *dSt = malloc(sizeof(REAL) * DK * DV);
+    if (!dS || !dSt) {
+        free(dS);
+        free(dSt);
+        return -1;
+    }
+    for (int64_t h = 0; h < n_heads; h++) {
+        const REAL *K = k + h * k_head, *V = v + h * v_head, *Gh = G + h * DK * DV, *dGh = dG + h * DK * DV;
+        const REAL *zh = z + h * DK, *ch = c + h * DK;
+        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
+        REAL *DK_ = dk + h * L * DK, *DV_ = dv + h * L * DV, dz[DK];
+        for (int d = 0; d < DK; d++) {
+            const REAL zc = zh[d] > tiny ? zh[d] : tiny;
+            REAL dGG = 0;
+            for (int e = 0; e < DV; e++) {
+                dGG += dGh[d * DV + e] * Gh[d * DV + e];
+                dS[d * DV + e] = dGh[d * DV + e] / zc;
+            }
+            dz[d] = zh[d] >= tiny ? -dGG / zh[d] : 0;
+        }
+        transpose(dS, dSt, DK, DV);
+        for (int64_t t = 0; t < L; t += 4) {
+            REAL E[4][DK], dE[4][DK], o[4][DV];
+            int part[4];
+            for (int r = 0; r < 4; r++) {
+                const REAL *kr = ROW(K, t, r, L, DK);
+                part[r] = TAKES_PART(ok, t, r, L);
+                for (int d = 0; d < DK; d++) {
+                    E[r][d] = part[r] ? exp_nonpositive(kr[d] - ch[d], floor_) : 0;
+                    dE[r][d] = dz[d];
+                }
+                for (int e = 0; e < DV; e++) o[r][e] = 0;
+            }
+            const REAL *v0 = ROW(V, t, 0, L, DV), *v1 = ROW(V, t, 1, L, DV);
+            const REAL *v2 = ROW(V, t, 2, L, DV), *v3 = ROW(V, t, 3, L, DV);
+            for (int e = 0; e < DV; e++) { /* dE = dS v + dz, four rows a pass through dS^T */
+                const REAL *restrict dSte = dSt + e * DK;
+                const REAL w0 = v0[e], w1 = v1[e], w2 = v2[e], w3 = v3[e];
+                for (int d = 0; d < DK; d++) {
+                    dE[0][d] += w0 * dSte[d];
+                    dE[1][d] += w1 * dSte[d];
+                    dE[2][d] += w2 * dSte[d];
+                    dE[3][d] += w3 * dSte[d];
+                }
+            }
+            for (int d = 0; d < DK; d++) { /* dv = dS^T E */
+                const REAL *restrict dSd = dS + d * DV;
+                const REAL a0 = E[0][d], a1 = E[1][d], a2 = E[2][d], a3 = E[3][d];
+                for (int e = 0; e < DV; e++) {
+                    o[0][e] += a0 * dSd[e];
+                    o[1][e] += a1 * dSd[e];
+                    o[2][e] += a2 * dSd[e];
+                    o[3][e] += a3 * dSd[e];
+                }
+            }
+            for (int r = 0; r < 4 && t + r < L; r++) {
+                for (int e = 0; e < DV; e++) DV_[(t + r) * DV + e] = o[r][e];
+                for (int d = 0; d < DK; d++) DK_[(t + r) * DK + d] = part[r] ? E[r][d] * dE[r][d] : 0;
+            }
+        }
+    }
+    free(dS);
     free(dSt);
     return 0;
 }
