@@ -148,6 +148,73 @@ void causal_linear(const REAL *q, const REAL *k, const REAL *v, const uint8_t *k
  * it takes no part) and whether it takes part. */
 #define ROW(base, t, r, L, width) ((base) + ((t) + (r) < (L) ? (t) + (r) : (L) - 1) * (width))
 #define TAKES_PART(ok, t, r, L) ((t) + (r) < (L) && (!(ok) || (ok)[(t) + (r)]))
+#define AI inline __attribute__((always_inline))
+
+/* The four rows of X (rows of DV values) from t into x; a row past the end: zeros. */
+static AI void four_rows(const REAL *X, int64_t t, int64_t L, REAL (*restrict x)[DV]) {
+    for (int r = 0; r < 4; r++) {
+        const REAL *row = ROW(X, t, r, L, DV), real = t + r < L;
+        for (int e = 0; e < DV; e++) x[r][e] = row[e] * real;
+    }
+}
+
+/* out[r] = a[r]^T M for four rows: M (DK x DV), one pass through it. */
+static AI void times(REAL (*restrict a)[DKP], const REAL *restrict M, REAL (*restrict out)[DV]) {
+    for (int e = 0; e < DV; e++) out[0][e] = out[1][e] = out[2][e] = out[3][e] = 0;
+    for (int d = 0; d < DK; d++) {
+        const REAL *restrict Md = M + d * DV;
+        const REAL a0 = a[0][d], a1 = a[1][d], a2 = a[2][d], a3 = a[3][d];
+        for (int e = 0; e < DV; e++) {
+            const REAL m = Md[e];
+            out[0][e] += a0 * m;
+            out[1][e] += a1 * m;
+            out[2][e] += a2 * m;
+            out[3][e] += a3 * m;
+        }
+    }
+}
+
+/* out[r] += M w[r] for four rows, from Mt = M^T (DV x DK), one pass through it. */
+static AI void times_t(REAL (*restrict w)[DV], const REAL *restrict Mt, REAL (*restrict out)[DKP]) {
+    for (int e = 0; e < DV; e++) {
+        const REAL *restrict Mte = Mt + e * DK;
+        const REAL w0 = w[0][e], w1 = w[1][e], w2 = w[2][e], w3 = w[3][e];
+        for (int d = 0; d < DK; d++) {
+            out[0][d] += w0 * Mte[d];
+            out[1][d] += w1 * Mte[d];
+            out[2][d] += w2 * Mte[d];
+            out[3][d] += w3 * Mte[d];
+        }
+    }
+}
+
+/* M += sum_r a[r] b[r]^T and m += sum_r a[r] c[r] (c null: m untouched), one pass through M. */
+static AI void add_outer(REAL *restrict M, REAL *restrict m, REAL (*restrict a)[DKP], REAL (*restrict b)[DV],
+                         const REAL *restrict c) {
+    for (int d = 0; d < DK; d++) {
+        REAL *restrict Md = M + d * DV;
+        const REAL a0 = a[0][d], a1 = a[1][d], a2 = a[2][d], a3 = a[3][d];
+        if (m) m[d] += (a0 * c[0] + a1 * c[1]) + (a2 * c[2] + a3 * c[3]);
+        for (int e = 0; e < DV; e++) Md[e] += (a0 * b[0][e] + a1 * b[1][e]) + (a2 * b[2][e] + a3 * b[3][e]);
+    }
+}
+
+/* The features of four rows of X (DK values each) from t: phi, 0 where a row takes no part. */
+static AI void four_features(const REAL *X, const uint8_t *ok, int64_t t, int64_t L, REAL (*restrict f)[DKP],
+                             REAL floor_) {
+    two_features(ROW(X, t, 0, L, DK), ROW(X, t, 1, L, DK), TAKES_PART(ok, t, 0, L), TAKES_PART(ok, t, 1, L),
+                 f[0], f[1], floor_);
+    two_features(ROW(X, t, 2, L, DK), ROW(X, t, 3, L, DK), TAKES_PART(ok, t, 2, L), TAKES_PART(ok, t, 3, L),
+                 f[2], f[3], floor_);
+}
+
+/* Transpose of a (rows x cols) matrix into t (cols x rows). */
+static void transpose(const REAL *restrict a, REAL *restrict t, int rows, int cols) {
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) t[j * rows + i] = a[i * cols + j];
+}
+
+static const REAL ONES[4] = {1, 1, 1, 1};
 
 /* Non-causal keys: S = sum_j phi(k_j) v_j^T (n_heads, DK, DV) and z = sum_j phi(k_j)
  * (n_heads, DK), written (not added), over the keys key_ok keeps (null: all); layout as
@@ -155,25 +222,15 @@ void causal_linear(const REAL *q, const REAL *k, const REAL *v, const uint8_t *k
 void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                  REAL *S, REAL *z, int64_t n_heads, int64_t L, REAL floor_) {
     for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *K = k + h * k_head, *V = v + h * v_head;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
-        REAL *restrict Sh = S + h * DK * DV, *restrict zh = z + h * DK;
+        REAL *Sh = S + h * DK * DV, *zh = z + h * DK;
         for (int i = 0; i < DK * DV; i++) Sh[i] = 0;
         for (int d = 0; d < DK; d++) zh[d] = 0;
         for (int64_t t = 0; t < L; t += 4) {
-            const REAL *restrict v0 = ROW(V, t, 0, L, DV), *restrict v1 = ROW(V, t, 1, L, DV);
-            const REAL *restrict v2 = ROW(V, t, 2, L, DV), *restrict v3 = ROW(V, t, 3, L, DV);
-            REAL f0[DKP], f1[DKP], f2[DKP], f3[DKP];
-            two_features(ROW(K, t, 0, L, DK), ROW(K, t, 1, L, DK), TAKES_PART(ok, t, 0, L),
-                         TAKES_PART(ok, t, 1, L), f0, f1, floor_);
-            two_features(ROW(K, t, 2, L, DK), ROW(K, t, 3, L, DK), TAKES_PART(ok, t, 2, L),
-                         TAKES_PART(ok, t, 3, L), f2, f3, floor_);
-            for (int d = 0; d < DK; d++) {
-                REAL *restrict Sd = Sh + d * DV;
-                const REAL a0 = f0[d], a1 = f1[d], a2 = f2[d], a3 = f3[d];
-                zh[d] += (a0 + a1) + (a2 + a3);
-                for (int e = 0; e < DV; e++) Sd[e] += (a0 * v0[e] + a1 * v1[e]) + (a2 * v2[e] + a3 * v3[e]);
-            }
+            REAL f[4][DKP], vr[4][DV];
+            four_features(k + h * k_head, ok, t, L, f, floor_);
+            four_rows(v + h * v_head, t, L, vr);
+            add_outer(Sh, zh, f, vr, ONES);
         }
     }
 }
@@ -183,42 +240,18 @@ void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_
 void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z, REAL *out,
                     int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
     for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *Q = q + h * q_head, *restrict Sh = S + h * DK * DV;
         REAL *O = out + h * L * DV, zp[DKP] = {0};
         for (int d = 0; d < DK; d++) zp[d] = z[h * DK + d];
         for (int64_t t = 0; t < L; t += 4) {
-            REAL f[4][DKP], n[4][DV], l[4][LANES] = {{0}}, inv[4];
-            two_features(ROW(Q, t, 0, L, DK), ROW(Q, t, 1, L, DK), 1, 1, f[0], f[1], floor_);
-            two_features(ROW(Q, t, 2, L, DK), ROW(Q, t, 3, L, DK), 1, 1, f[2], f[3], floor_);
-            for (int r = 0; r < 4; r++) {
-                for (int d0 = 0; d0 < DKP; d0 += LANES)
-                    for (int j = 0; j < LANES; j++) l[r][j] += f[r][d0 + j] * zp[d0 + j];
-                REAL den = eps;
-                for (int j = 0; j < LANES; j++) den += l[r][j];
-                inv[r] = 1 / den;
+            REAL f[4][DKP], n[4][DV];
+            four_features(q + h * q_head, 0, t, L, f, floor_);
+            times(f, S + h * DK * DV, n);
+            for (int r = 0; r < 4 && t + r < L; r++) {
+                const REAL inv = 1 / dot_lanes(f[r], zp, eps);
+                for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e] * inv;
             }
-            for (int e = 0; e < DV; e++) n[0][e] = n[1][e] = n[2][e] = n[3][e] = 0;
-            for (int d = 0; d < DK; d++) {
-                const REAL *restrict Sd = Sh + d * DV;
-                const REAL a0 = f[0][d], a1 = f[1][d], a2 = f[2][d], a3 = f[3][d];
-                for (int e = 0; e < DV; e++) {
-                    const REAL s = Sd[e];
-                    n[0][e] += a0 * s;
-                    n[1][e] += a1 * s;
-                    n[2][e] += a2 * s;
-                    n[3][e] += a3 * s;
-                }
-            }
-            for (int r = 0; r < 4 && t + r < L; r++)
-                for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e] * inv[r];
         }
     }
-}
-
-/* Transpose of a (rows x cols) matrix into t (cols x rows). */
-static void transpose(const REAL *restrict a, REAL *restrict t, int rows, int cols) {
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < cols; j++) t[j * rows + i] = a[i * cols + j];
 }
 
 /* phi'(x) from phi(x): 1 above 0, e^x = phi(x) below. */
@@ -235,43 +268,24 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
     REAL *St = malloc(sizeof(REAL) * DK * DV);
     if (!St) return -1;
     for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *Q = q + h * q_head, *G = g + h * g_head, *zh = z + h * DK;
-        REAL *restrict dSh = dS + h * DK * DV, *restrict dzh = dz + h * DK, *DQ = dq + h * L * DK;
-        REAL zp[DKP] = {0};
+        const REAL *zh = z + h * DK;
+        REAL *dSh = dS + h * DK * DV, *dzh = dz + h * DK, *DQ = dq + h * L * DK, zp[DKP] = {0};
         for (int d = 0; d < DK; d++) zp[d] = zh[d];
         transpose(S + h * DK * DV, St, DK, DV);
         for (int i = 0; i < DK * DV; i++) dSh[i] = 0;
         for (int d = 0; d < DK; d++) dzh[d] = 0;
         for (int64_t t = 0; t < L; t += 4) {
-            REAL f[4][DKP], df[4][DKP], gn[4][DV], gden[4], den[4];
-            two_features(ROW(Q, t, 0, L, DK), ROW(Q, t, 1, L, DK), 1, 1, f[0], f[1], floor_);
-            two_features(ROW(Q, t, 2, L, DK), ROW(Q, t, 3, L, DK), 1, 1, f[2], f[3], floor_);
+            REAL f[4][DKP], df[4][DKP] = {{0}}, gn[4][DV], gden[4], den[4];
+            four_features(q + h * q_head, 0, t, L, f, floor_);
+            four_rows(g + h * g_head, t, L, gn); /* (a row past the end: g = 0) */
             for (int r = 0; r < 4; r++) {
-                const int real = t + r < L; /* a row past the end takes no part: gn = 0 */
-                const REAL *gr = ROW(G, t, r, L, DV);
                 den[r] = dot_lanes(f[r], zp, eps);
-                const REAL inv = real ? 1 / den[r] : 0;
-                for (int e = 0; e < DV; e++) gn[r][e] = gr[e] * inv;
-                for (int d = 0; d < DKP; d++) df[r][d] = 0; /* (zero past DK: dot_lanes reads it) */
+                const REAL inv = t + r < L ? 1 / den[r] : 0; /* (past the end f = 0: den may be 0) */
+                for (int e = 0; e < DV; e++) gn[r][e] *= inv;
             }
-            for (int e = 0; e < DV; e++) { /* df = S gn, four rows a pass through S^T */
-                const REAL *restrict Ste = St + e * DK;
-                const REAL w0 = gn[0][e], w1 = gn[1][e], w2 = gn[2][e], w3 = gn[3][e];
-                for (int d = 0; d < DK; d++) {
-                    df[0][d] += w0 * Ste[d];
-                    df[1][d] += w1 * Ste[d];
-                    df[2][d] += w2 * Ste[d];
-                    df[3][d] += w3 * Ste[d];
-                }
-            }
+            times_t(gn, St, df); /* df = S gn */
             for (int r = 0; r < 4; r++) gden[r] = t + r < L ? -dot_lanes(f[r], df[r], 0) / den[r] : 0;
-            for (int d = 0; d < DK; d++) {
-                REAL *restrict dSd = dSh + d * DV;
-                const REAL a0 = f[0][d], a1 = f[1][d], a2 = f[2][d], a3 = f[3][d];
-                dzh[d] += (a0 * gden[0] + a1 * gden[1]) + (a2 * gden[2] + a3 * gden[3]);
-                for (int e = 0; e < DV; e++)
-                    dSd[e] += (a0 * gn[0][e] + a1 * gn[1][e]) + (a2 * gn[2][e] + a3 * gn[3][e]);
-            }
+            add_outer(dSh, dzh, f, gn, gden);
             for (int r = 0; r < 4 && t + r < L; r++)
                 for (int d = 0; d < DK; d++)
                     DQ[(t + r) * DK + d] = (df[r][d] + gden[r] * zh[d]) * phi_slope(f[r][d]);
@@ -279,6 +293,27 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
     }
     free(St);
     return 0;
+}
+
+/* The key side of a backward, four keys at a time from t, given their weights w (phi(k), or
+ * E): dv = dS^T w (n_heads rows of DV) and dk = slope(w) * (dS v + dz), 0 for a key that takes
+ * no part; dSt = dS^T. */
+static AI void keys_grad_rows(const REAL *V, int64_t t, int64_t L, const int *part, REAL (*restrict w)[DKP],
+                              const REAL *restrict dS, const REAL *restrict dSt, const REAL *restrict dz,
+                              int exp_weights, REAL *DK_, REAL *DV_) {
+    REAL vr[4][DV], o[4][DV], dw[4][DKP];
+    times(w, dS, o); /* dv = dS^T w */
+    four_rows(V, t, L, vr);
+    for (int r = 0; r < 4; r++)
+        for (int d = 0; d < DK; d++) dw[r][d] = dz[d];
+    times_t(vr, dSt, dw); /* dS v + dz */
+    for (int r = 0; r < 4 && t + r < L; r++) {
+        for (int e = 0; e < DV; e++) DV_[(t + r) * DV + e] = o[r][e];
+        for (int d = 0; d < DK; d++) { /* (a select: a padded key's v may hold anything) */
+            const REAL slope = exp_weights ? w[r][d] : phi_slope(w[r][d]);
+            DK_[(t + r) * DK + d] = part[r] ? dw[r][d] * slope : 0;
+        }
+    }
 }
 
 /* Non-causal backward, key side, from dS and dz: dv = dS^T phi(k) (n_heads, L, DV) and
@@ -290,49 +325,15 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
     REAL *dSt = malloc(sizeof(REAL) * DK * DV);
     if (!dSt) return -1;
     for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *K = k + h * k_head, *V = v + h * v_head, *restrict dSh = dS + h * DK * DV;
-        const REAL *dzh = dz + h * DK;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
-        REAL *DK_ = dk + h * L * DK, *DV_ = dv + h * L * DV;
-        transpose(dSh, dSt, DK, DV);
+        transpose(dS + h * DK * DV, dSt, DK, DV);
         for (int64_t t = 0; t < L; t += 4) {
-            REAL f[4][DKP], df[4][DK], o[4][DV];
+            REAL f[4][DKP];
             int part[4];
             for (int r = 0; r < 4; r++) part[r] = TAKES_PART(ok, t, r, L);
-            two_features(ROW(K, t, 0, L, DK), ROW(K, t, 1, L, DK), part[0], part[1], f[0], f[1], floor_);
-            two_features(ROW(K, t, 2, L, DK), ROW(K, t, 3, L, DK), part[2], part[3], f[2], f[3], floor_);
-            for (int r = 0; r < 4; r++)
-                for (int e = 0; e < DV; e++) o[r][e] = 0;
-            for (int d = 0; d < DK; d++) {
-                const REAL *restrict dSd = dSh + d * DV;
-                const REAL a0 = f[0][d], a1 = f[1][d], a2 = f[2][d], a3 = f[3][d];
-                for (int e = 0; e < DV; e++) {
-                    const REAL s = dSd[e];
-                    o[0][e] += a0 * s;
-                    o[1][e] += a1 * s;
-                    o[2][e] += a2 * s;
-                    o[3][e] += a3 * s;
-                }
-            }
-            const REAL *v0 = ROW(V, t, 0, L, DV), *v1 = ROW(V, t, 1, L, DV);
-            const REAL *v2 = ROW(V, t, 2, L, DV), *v3 = ROW(V, t, 3, L, DV);
-            for (int r = 0; r < 4; r++)
-                for (int d = 0; d < DK; d++) df[r][d] = dzh[d];
-            for (int e = 0; e < DV; e++) { /* df = dS v + dz, four rows a pass through dS^T */
-                const REAL *restrict dSte = dSt + e * DK;
-                const REAL w0 = v0[e], w1 = v1[e], w2 = v2[e], w3 = v3[e];
-                for (int d = 0; d < DK; d++) {
-                    df[0][d] += w0 * dSte[d];
-                    df[1][d] += w1 * dSte[d];
-                    df[2][d] += w2 * dSte[d];
-                    df[3][d] += w3 * dSte[d];
-                }
-            }
-            for (int r = 0; r < 4 && t + r < L; r++) {
-                for (int e = 0; e < DV; e++) DV_[(t + r) * DV + e] = o[r][e];
-                for (int d = 0; d < DK; d++) /* (a select: a padded key's v may hold anything) */
-                    DK_[(t + r) * DK + d] = part[r] ? df[r][d] * phi_slope(f[r][d]) : 0;
-            }
+            four_features(k + h * k_head, ok, t, L, f, floor_);
+            keys_grad_rows(v + h * v_head, t, L, part, f, dS + h * DK * DV, dSt, dz + h * DK, 0,
+                           dk + h * L * DK, dv + h * L * DV);
         }
     }
     free(dSt);
@@ -343,13 +344,23 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
  * G = sum_j E_j v_j^T / z, E_j = exp(k_j - c) (c: each feature's max over the kept keys,
  * 0 where none), z = sum_j E_j (at least the smallest normal number). */
 
+/* E = exp(k - c) of four keys from t (0 for a key that takes no part). */
+static AI void four_weights(const REAL *K, const uint8_t *ok, int64_t t, int64_t L, const REAL *restrict c,
+                            REAL (*restrict E)[DKP], int *part, REAL floor_) {
+    for (int r = 0; r < 4; r++) {
+        const REAL *kr = ROW(K, t, r, L, DK);
+        part[r] = TAKES_PART(ok, t, r, L);
+        for (int d = 0; d < DK; d++) E[r][d] = part[r] ? exp_nonpositive(kr[d] - c[d], floor_) : 0;
+    }
+}
+
 /* Keys: G (n_heads, DK, DV), z (n_heads, DK, unclamped) and c (n_heads, DK), written. */
 void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                     REAL *G, REAL *z, REAL *c, int64_t n_heads, int64_t L, REAL tiny, REAL floor_) {
     for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *K = k + h * k_head, *V = v + h * v_head;
+        const REAL *K = k + h * k_head;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
-        REAL *restrict Gh = G + h * DK * DV, *restrict zh = z + h * DK, *restrict ch = c + h * DK;
+        REAL *Gh = G + h * DK * DV, *zh = z + h * DK, *ch = c + h * DK;
         for (int d = 0; d < DK; d++) ch[d] = -INFINITY;
         for (int64_t t = 0; t < L; t++)
             if (!ok || ok[t])
@@ -358,20 +369,11 @@ void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t
         for (int i = 0; i < DK * DV; i++) Gh[i] = 0;
         for (int d = 0; d < DK; d++) zh[d] = 0;
         for (int64_t t = 0; t < L; t += 4) {
-            const REAL *restrict v0 = ROW(V, t, 0, L, DV), *restrict v1 = ROW(V, t, 1, L, DV);
-            const REAL *restrict v2 = ROW(V, t, 2, L, DV), *restrict v3 = ROW(V, t, 3, L, DV);
-            REAL E[4][DK];
-            for (int r = 0; r < 4; r++) {
-                const REAL *kr = ROW(K, t, r, L, DK);
-                const int part = TAKES_PART(ok, t, r, L);
-                for (int d = 0; d < DK; d++) E[r][d] = part ? exp_nonpositive(kr[d] - ch[d], floor_) : 0;
-            }
-            for (int d = 0; d < DK; d++) {
-                REAL *restrict Gd = Gh + d * DV;
-                const REAL a0 = E[0][d], a1 = E[1][d], a2 = E[2][d], a3 = E[3][d];
-                zh[d] += (a0 + a1) + (a2 + a3);
-                for (int e = 0; e < DV; e++) Gd[e] += (a0 * v0[e] + a1 * v1[e]) + (a2 * v2[e] + a3 * v3[e]);
-            }
+            REAL E[4][DKP], vr[4][DV];
+            int part[4];
+            four_weights(K, ok, t, L, ch, E, part, floor_);
+            four_rows(v + h * v_head, t, L, vr);
+            add_outer(Gh, zh, E, vr, ONES);
         }
         for (int d = 0; d < DK; d++) {
             const REAL inv = 1 / (zh[d] > tiny ? zh[d] : tiny);
@@ -402,22 +404,11 @@ static inline void row_softmax(const REAL *restrict x, REAL *restrict p, REAL fl
 void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, int64_t n_heads, int64_t L,
                        REAL floor_) {
     for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *Q = q + h * q_head, *restrict Gh = G + h * DK * DV;
         REAL *O = out + h * L * DV;
         for (int64_t t = 0; t < L; t += 4) {
             REAL p[4][DKP], n[4][DV];
-            for (int r = 0; r < 4; r++) row_softmax(ROW(Q, t, r, L, DK), p[r], floor_);
-            for (int e = 0; e < DV; e++) n[0][e] = n[1][e] = n[2][e] = n[3][e] = 0;
-            for (int d = 0; d < DK; d++) {
-                const REAL *restrict Gd = Gh + d * DV;
-                const REAL a0 = p[0][d], a1 = p[1][d], a2 = p[2][d], a3 = p[3][d];
-                for (int e = 0; e < DV; e++) {
-                    n[0][e] += a0 * Gd[e];
-                    n[1][e] += a1 * Gd[e];
-                    n[2][e] += a2 * Gd[e];
-                    n[3][e] += a3 * Gd[e];
-                }
-            }
+            for (int r = 0; r < 4; r++) row_softmax(ROW(q + h * q_head, t, r, L, DK), p[r], floor_);
+            times(p, G + h * DK * DV, n);
             for (int r = 0; r < 4 && t + r < L; r++)
                 for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e];
         }
@@ -431,34 +422,15 @@ int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t
     REAL *Gt = malloc(sizeof(REAL) * DK * DV);
     if (!Gt) return -1;
     for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *Q = q + h * q_head, *Gr = g + h * g_head;
-        REAL *restrict dGh = dG + h * DK * DV, *DQ = dq + h * L * DK;
+        REAL *dGh = dG + h * DK * DV, *DQ = dq + h * L * DK;
         transpose(G + h * DK * DV, Gt, DK, DV);
         for (int i = 0; i < DK * DV; i++) dGh[i] = 0;
         for (int64_t t = 0; t < L; t += 4) {
-            REAL p[4][DKP], dp[4][DKP], gr[4][DV];
-            for (int r = 0; r < 4; r++) {
-                row_softmax(ROW(Q, t, r, L, DK), p[r], floor_);
-                const REAL *row = ROW(Gr, t, r, L, DV), real = t + r < L; /* past the end: g = 0 */
-                for (int e = 0; e < DV; e++) gr[r][e] = row[e] * real;
-                for (int d = 0; d < DKP; d++) dp[r][d] = 0;
-            }
-            for (int e = 0; e < DV; e++) { /* dp = G g, four rows a pass through G^T */
-                const REAL *restrict Gte = Gt + e * DK;
-                const REAL w0 = gr[0][e], w1 = gr[1][e], w2 = gr[2][e], w3 = gr[3][e];
-                for (int d = 0; d < DK; d++) {
-                    dp[0][d] += w0 * Gte[d];
-                    dp[1][d] += w1 * Gte[d];
-                    dp[2][d] += w2 * Gte[d];
-                    dp[3][d] += w3 * Gte[d];
-                }
-            }
-            for (int d = 0; d < DK; d++) {
-                REAL *restrict dGd = dGh + d * DV;
-                const REAL a0 = p[0][d], a1 = p[1][d], a2 = p[2][d], a3 = p[3][d];
-                for (int e = 0; e < DV; e++)
-                    dGd[e] += (a0 * gr[0][e] + a1 * gr[1][e]) + (a2 * gr[2][e] + a3 * gr[3][e]);
-            }
+            REAL p[4][DKP], dp[4][DKP] = {{0}}, gr[4][DV];
+            for (int r = 0; r < 4; r++) row_softmax(ROW(q + h * q_head, t, r, L, DK), p[r], floor_);
+            four_rows(g + h * g_head, t, L, gr); /* (a row past the end: g = 0) */
+            times_t(gr, Gt, dp); /* dp = G g */
+            add_outer(dGh, 0, p, gr, 0);
             for (int r = 0; r < 4 && t + r < L; r++) {
                 const REAL pdp = dot_lanes(p[r], dp[r], 0);
                 for (int d = 0; d < DK; d++) DQ[(t + r) * DK + d] = p[r][d] * (dp[r][d] - pdp);
@@ -471,7 +443,7 @@ int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t
 
 /* Backward, key side, from dG: dS = dG / z and dz = -(dG . G) / z per feature (0 where z is
  * clamped: no kept key); per key E = exp(k - c): dk = E * (dS v + dz), dv = dS^T E
- * (0 for a key key_ok leaves out). Returns 0, or -1 without memory for dS^T. */
+ * (0 for a key key_ok leaves out). Returns 0, or -1 without memory for dS and dS^T. */
 int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                         const REAL *G, const REAL *z, const REAL *c, const REAL *dG, REAL *dk, REAL *dv,
                         int64_t n_heads, int64_t L, REAL tiny, REAL floor_) {
@@ -482,10 +454,9 @@ int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int
         return -1;
     }
     for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *K = k + h * k_head, *V = v + h * v_head, *Gh = G + h * DK * DV, *dGh = dG + h * DK * DV;
-        const REAL *zh = z + h * DK, *ch = c + h * DK;
+        const REAL *Gh = G + h * DK * DV, *dGh = dG + h * DK * DV, *zh = z + h * DK;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
-        REAL *DK_ = dk + h * L * DK, *DV_ = dv + h * L * DV, dz[DK];
+        REAL dz[DK];
         for (int d = 0; d < DK; d++) {
             const REAL zc = zh[d] > tiny ? zh[d] : tiny;
             REAL dGG = 0;
@@ -497,43 +468,10 @@ int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int
         }
         transpose(dS, dSt, DK, DV);
         for (int64_t t = 0; t < L; t += 4) {
-            REAL E[4][DK], dE[4][DK], o[4][DV];
+            REAL E[4][DKP];
             int part[4];
-            for (int r = 0; r < 4; r++) {
-                const REAL *kr = ROW(K, t, r, L, DK);
-                part[r] = TAKES_PART(ok, t, r, L);
-                for (int d = 0; d < DK; d++) {
-                    E[r][d] = part[r] ? exp_nonpositive(kr[d] - ch[d], floor_) : 0;
-                    dE[r][d] = dz[d];
-                }
-                for (int e = 0; e < DV; e++) o[r][e] = 0;
-            }
-            const REAL *v0 = ROW(V, t, 0, L, DV), *v1 = ROW(V, t, 1, L, DV);
-            const REAL *v2 = ROW(V, t, 2, L, DV), *v3 = ROW(V, t, 3, L, DV);
-            for (int e = 0; e < DV; e++) { /* dE = dS v + dz, four rows a pass through dS^T */
-                const REAL *restrict dSte = dSt + e * DK;
-                const REAL w0 = v0[e], w1 = v1[e], w2 = v2[e], w3 = v3[e];
-                for (int d = 0; d < DK; d++) {
-                    dE[0][d] += w0 * dSte[d];
-                    dE[1][d] += w1 * dSte[d];
-                    dE[2][d] += w2 * dSte[d];
-                    dE[3][d] += w3 * dSte[d];
-                }
-            }
-            for (int d = 0; d < DK; d++) { /* dv = dS^T E */
-                const REAL *restrict dSd = dS + d * DV;
-                const REAL a0 = E[0][d], a1 = E[1][d], a2 = E[2][d], a3 = E[3][d];
-                for (int e = 0; e < DV; e++) {
-                    o[0][e] += a0 * dSd[e];
-                    o[1][e] += a1 * dSd[e];
-                    o[2][e] += a2 * dSd[e];
-                    o[3][e] += a3 * dSd[e];
-                }
-            }
-            for (int r = 0; r < 4 && t + r < L; r++) {
-                for (int e = 0; e < DV; e++) DV_[(t + r) * DV + e] = o[r][e];
-                for (int d = 0; d < DK; d++) DK_[(t + r) * DK + d] = part[r] ? E[r][d] * dE[r][d] : 0;
-            }
+            four_weights(k + h * k_head, ok, t, L, c + h * DK, E, part, floor_);
+            keys_grad_rows(v + h * v_head, t, L, part, E, dS, dSt, dz, 1, dk + h * L * DK, dv + h * L * DV);
         }
     }
     free(dS);
