@@ -11,10 +11,10 @@ Each (dtype, D, Dv) gets its own build (0.2 s with gcc, the sizes compiled in, s
 compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
 ``~/.cache/attnzoo``) under a name that hashes the source, the flags and the CPU, so a
 changed source or another machine builds afresh. Where there is no compiler, the build
-fails, or ``ATTNZOO_NATIVE=0``, :func:`causal_linear` returns None and the callers take
-their eager path: the results are the same either way (to rounding; the tests hold them to
-it). The batch entries and heads are split among torch's intra-op threads: ctypes lets go of
-the GIL while C runs.
+fails, or ``ATTNZOO_NATIVE=0``, the entry points (:func:`causal_linear`, :func:`linear`,
+:func:`efficient`) return None and the callers take their eager path: the results are the
+same either way (to rounding; the tests hold them to it). The batch entries and heads are
+split among torch's intra-op threads: ctypes lets go of the GIL while C runs.
 """
 
 from __future__ import annotations

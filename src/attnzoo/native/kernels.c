@@ -153,8 +153,9 @@ void causal_linear(const REAL *q, const REAL *k, const REAL *v, const uint8_t *k
 /* The four rows of X (rows of DV values) from t into x; a row past the end: zeros. */
 static AI void four_rows(const REAL *X, int64_t t, int64_t L, REAL (*restrict x)[DV]) {
     for (int r = 0; r < 4; r++) {
-        const REAL *row = ROW(X, t, r, L, DV), real = t + r < L;
-        for (int e = 0; e < DV; e++) x[r][e] = row[e] * real;
+        const REAL *row = ROW(X, t, r, L, DV);
+        const int real = t + r < L;
+        for (int e = 0; e < DV; e++) x[r][e] = real ? row[e] : 0; /* (a select: no 0 * inf) */
     }
 }
 
@@ -296,8 +297,8 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
 }
 
 /* The key side of a backward, four keys at a time from t, given their weights w (phi(k), or
- * E): dv = dS^T w (n_heads rows of DV) and dk = slope(w) * (dS v + dz), 0 for a key that takes
- * no part; dSt = dS^T. */
+ * E): dv = dS^T w into the rows of DV_ and dk = slope(w) * (dS v + dz) into those of DK_, 0 for
+ * a key that takes no part (slope: e^x's, w itself, with exp_weights; else phi's); dSt = dS^T. */
 static AI void keys_grad_rows(const REAL *V, int64_t t, int64_t L, const int *part, REAL (*restrict w)[DKP],
                               const REAL *restrict dS, const REAL *restrict dSt, const REAL *restrict dz,
                               int exp_weights, REAL *DK_, REAL *DV_) {
