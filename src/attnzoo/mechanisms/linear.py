@@ -514,9 +514,10 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     :class:`_CausalBlocks` recomputes them backward from the saved states); with
     Lq != Lk query i sees keys j <= i + Lk - Lq (keys before the first aligned one form
     the starting state). ``kv0`` continues from a state; the state is returned when causal.
-    ``closes_over``: tensors the maps use (see :func:`stream_kernel`). ``native``: in inference,
-    kernels in place of the blocks where they run (:mod:`attnzoo._native`, for φ = elu + 1:
-    ``linear``, or ``causal_linear`` for the aligned causal part; they return None where not).
+    ``closes_over``: tensors the maps use (see :func:`stream_kernel`). ``native``: kernels in
+    place of the blocks where they run (:mod:`attnzoo._native`, for φ = elu + 1; they return
+    None where not): ``linear`` (with its own backward), and in inference ``causal_linear`` for
+    the aligned causal part.
     """
     if not causal:
         ran = None if native is None or needs_grad(*closes_over) else native.linear(q, k, v, key_mask, eps)
@@ -662,8 +663,9 @@ def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=No
     time and O(L·chunk + (L/chunk)·D·Dv) memory by chunked prefix sums. Exact
     autograd. Katharopoulos et al., ICML 2020. The seed notebook's cell computes
     φ(Q)(φ(K)ᵀV) without the normaliser φ(Q)(φ(K)ᵀ1); we implement the paper's.
-    Inference with φ = elu + 1 runs in C where a compiler builds it (:mod:`attnzoo._native`:
-    causal, the paper's recurrence; O(L·D·Dv) time and O(D·Dv) memory either way).
+    With φ = elu + 1, C kernels run where a compiler builds them (:mod:`attnzoo._native`):
+    non-causal forward and backward, and causal inference by the paper's recurrence (O(L·D·Dv)
+    time, O(D·Dv) memory); causal training keeps the chunked engine.
     """
     _no_scale("linear", scale)
     phi = _feature_map(opts)
