@@ -1,6 +1,6 @@
-"""The native linear attention kernels (attnzoo._native): against the eager engine and the
-dense reference, causal and not, their use by the mechanism, and the fall-back where they
-cannot be built."""
+"""The native kernels (attnzoo._native), of linear attention (causal and not) and efficient
+attention: against the eager engines and the dense reference, their use by the mechanisms,
+and the fall-back where they cannot be built."""
 
 import pytest
 import torch

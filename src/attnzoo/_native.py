@@ -165,6 +165,25 @@ def _over_heads(n: int, run) -> None:
         job.result()
 
 
+def _floor(dtype: torch.dtype) -> float:
+    """log of the smallest normal number: the kernels clamp their exponents there (subnormal or 0
+    results are slow), as attnzoo's eager maps do."""
+    return math.log(torch.finfo(dtype).tiny)
+
+
+def _with_autograd(function, forward, lib, q, k, v, *args):
+    """``function.apply(q, k, v, *args, lib)`` where autograd needs it, else ``forward``'s output."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return function.apply(q, k, v, *args, lib)
+    return forward(lib, q, k, v, *args)[0]
+
+
+def _checked(*statuses: int) -> None:
+    """Raise where a backward kernel could not have its (D, Dv) buffers (status −1)."""
+    if any(statuses):
+        raise MemoryError("attnzoo native backward: no memory for a (D, Dv) buffer")
+
+
 def _at(t: torch.Tensor | None, a: int, stride: int | None = None):
     """The address of head a of ``t`` (B·H heads ``stride`` values apart, default t.stride(1))."""
     if t is None:
@@ -185,7 +204,7 @@ def causal_linear(q, k, v, S, z, key_mask, eps):
     q, k, v = _heads(q), _heads(k), _heads(v)
     S, z = S.contiguous().clone(), z.contiguous().clone()  # (overwritten with the state after)
     out, ok = fresh_empty(B, H, L, Dv, like=v), _key_ok(key_mask, B, H, L)
-    floor = math.log(torch.finfo(q.dtype).tiny)
+    floor = _floor(q.dtype)
     _over_heads(B * H, lambda a, b: lib.causal_linear(
         _at(q, a), _at(k, a), _at(v, a), _at(ok, a, L), q.stride(1), k.stride(1), v.stride(1),
         _at(out, a, L * Dv), _at(S, a, D * Dv), _at(z, a, D), b - a, L, eps, floor))
@@ -198,11 +217,7 @@ def linear(q, k, v, key_mask, eps):
     memory beside the output; under autograd the backward is native too (:class:`_Linear`).
     None where the kernels cannot run (:func:`_kernels`)."""
     lib = _kernels(q, k, v)
-    if lib is None:
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Linear.apply(q, k, v, key_mask, eps, lib)
-    return _linear_forward(lib, q, k, v, key_mask, eps)[0]
+    return None if lib is None else _with_autograd(_Linear, _linear_forward, lib, q, k, v, key_mask, eps)
 
 
 def _linear_forward(lib, q, k, v, key_mask, eps):
@@ -210,8 +225,7 @@ def _linear_forward(lib, q, k, v, key_mask, eps):
     (B, H, Lq, D), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
     q, k, v = _heads(q), _heads(k), _heads(v)
     S, z = q.new_empty(B * H, D, Dv), q.new_empty(B * H, D)
-    out, ok = fresh_empty(B, H, Lq, Dv, like=v), _key_ok(key_mask, B, H, Lk)
-    floor = math.log(torch.finfo(q.dtype).tiny)
+    out, ok, floor = fresh_empty(B, H, Lq, Dv, like=v), _key_ok(key_mask, B, H, Lk), _floor(q.dtype)
 
     def run(a, b):  # heads a..b−1: their keys' state, then their queries
         lib.linear_keys(_at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1),
@@ -243,17 +257,15 @@ class _Linear(torch.autograd.Function):
         q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
         dq, dk, dv = fresh_like(q, k, v)
         dS, dz, ok = torch.empty_like(S), torch.empty_like(z), _key_ok(key_mask, B, H, Lk)
-        floor = math.log(torch.finfo(q.dtype).tiny)
+        floor = _floor(q.dtype)
 
         def run(a, b):  # heads a..b−1: dq, dS, dz, then dk, dv
-            failed = lib.linear_queries_grad(
+            _checked(lib.linear_queries_grad(
                 _at(q, a), _at(g, a), q.stride(1), g.stride(1), _at(S, a, D * Dv), _at(z, a, D),
-                _at(dq, a, Lq * D), _at(dS, a, D * Dv), _at(dz, a, D), b - a, Lq, ctx.eps, floor)
-            failed = failed or lib.linear_keys_grad(
+                _at(dq, a, Lq * D), _at(dS, a, D * Dv), _at(dz, a, D), b - a, Lq, ctx.eps, floor))
+            _checked(lib.linear_keys_grad(
                 _at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1), _at(dS, a, D * Dv),
-                _at(dz, a, D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a, Lk, floor)
-            if failed:
-                raise MemoryError("attnzoo native linear backward: no memory for a (D, Dv) buffer")
+                _at(dz, a, D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a, Lk, floor))
 
         _over_heads(B * H, run)
         return dq, dk, dv, None, None, None
@@ -268,9 +280,7 @@ def efficient(q, k, v, key_mask):
     lib = _kernels(q, k, v)
     if lib is None:
         return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _EfficientNative.apply(q, k, v, key_mask, lib)
-    return _efficient_forward(lib, q, k, v, key_mask)[0]
+    return _with_autograd(_EfficientNative, _efficient_forward, lib, q, k, v, key_mask)
 
 
 def _efficient_forward(lib, q, k, v, key_mask):
@@ -279,14 +289,13 @@ def _efficient_forward(lib, q, k, v, key_mask):
     q, k, v = _heads(q), _heads(k), _heads(v)
     G, z, c = q.new_empty(B * H, D, Dv), q.new_empty(B * H, D), q.new_empty(B * H, D)
     out, ok = fresh_empty(B, H, Lq, Dv, like=v), _key_ok(key_mask, B, H, Lk)
-    info = torch.finfo(q.dtype)
+    tiny, floor = torch.finfo(q.dtype).tiny, _floor(q.dtype)
 
     def run(a, b):  # heads a..b−1: their keys' G, then their queries
         lib.efficient_keys(_at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1),
-                           _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), b - a, Lk, info.tiny,
-                           math.log(info.tiny))
+                           _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), b - a, Lk, tiny, floor)
         lib.efficient_queries(_at(q, a), q.stride(1), _at(G, a, D * Dv), _at(out, a, Lq * Dv), b - a, Lq,
-                              math.log(info.tiny))
+                              floor)
 
     _over_heads(B * H, run)
     return out, G, z, c
@@ -310,18 +319,17 @@ class _EfficientNative(torch.autograd.Function):
         lib, (B, H, Lq, D), Lk, Dv = ctx.lib, q.shape, k.shape[2], v.shape[-1]
         q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
         dq, dk, dv = fresh_like(q, k, v)
-        dG, ok, info = torch.empty_like(G), _key_ok(key_mask, B, H, Lk), torch.finfo(q.dtype)
+        dG, ok = torch.empty_like(G), _key_ok(key_mask, B, H, Lk)
+        tiny, floor = torch.finfo(q.dtype).tiny, _floor(q.dtype)
 
         def run(a, b):  # heads a..b−1: dq and dG, then dk and dv
-            failed = lib.efficient_queries_grad(
+            _checked(lib.efficient_queries_grad(
                 _at(q, a), _at(g, a), q.stride(1), g.stride(1), _at(G, a, D * Dv), _at(dq, a, Lq * D),
-                _at(dG, a, D * Dv), b - a, Lq, math.log(info.tiny))
-            failed = failed or lib.efficient_keys_grad(
+                _at(dG, a, D * Dv), b - a, Lq, floor))
+            _checked(lib.efficient_keys_grad(
                 _at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1), _at(G, a, D * Dv),
                 _at(z, a, D), _at(c, a, D), _at(dG, a, D * Dv), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv),
-                b - a, Lk, info.tiny, math.log(info.tiny))
-            if failed:
-                raise MemoryError("attnzoo native efficient backward: no memory for a (D, Dv) buffer")
+                b - a, Lk, tiny, floor))
 
         _over_heads(B * H, run)
         return dq, dk, dv, None, None
