@@ -61,13 +61,26 @@ static inline __attribute__((always_inline)) void two_features(
     for (int d = DK; d < DKP; d++) fa[d] = fb[d] = 0;
 }
 
+/* The sum and the largest of a vector's lanes, in halves (a chain of LANES scalar steps
+ * would hold up each row). */
+static inline REAL lanes_sum(REAL *restrict l) {
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) l[j] += l[j + w];
+    return l[0];
+}
+
+static inline REAL lanes_max(REAL *restrict l) {
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) l[j] = l[j + w] > l[j] ? l[j + w] : l[j];
+    return l[0];
+}
+
 /* init + a . b over DKP values (zero past DK), summed lane by lane (so that it vectorises). */
 static inline REAL dot_lanes(const REAL *restrict a, const REAL *restrict b, REAL init) {
     REAL l[LANES] = {0};
     for (int d0 = 0; d0 < DKP; d0 += LANES)
         for (int j = 0; j < LANES; j++) l[j] += a[d0 + j] * b[d0 + j];
-    for (int j = 0; j < LANES; j++) init += l[j];
-    return init;
+    return init + lanes_sum(l);
 }
 
 /* Steps a and b (b right after a) from the state (S, z) in place: their outputs into oa, ob.
@@ -189,14 +202,16 @@ static AI void times_t(REAL (*restrict w)[DV], const REAL *restrict Mt, REAL (*r
     }
 }
 
-/* M += sum_r a[r] b[r]^T and m += sum_r a[r] c[r] (c null: m untouched), one pass through M. */
+/* M += sum_r a[r] b[r]^T and m += sum_r a[r] c[r] (c null: m untouched), one pass through M,
+ * each element by one chain of four multiply-adds (paired sums took two more operations:
+ * the keys' pass 18 % slower). */
 static AI void add_outer(REAL *restrict M, REAL *restrict m, REAL (*restrict a)[DKP], REAL (*restrict b)[DV],
                          const REAL *restrict c) {
     for (int d = 0; d < DK; d++) {
         REAL *restrict Md = M + d * DV;
         const REAL a0 = a[0][d], a1 = a[1][d], a2 = a[2][d], a3 = a[3][d];
         if (m) m[d] += (a0 * c[0] + a1 * c[1]) + (a2 * c[2] + a3 * c[3]);
-        for (int e = 0; e < DV; e++) Md[e] += (a0 * b[0][e] + a1 * b[1][e]) + (a2 * b[2][e] + a3 * b[3][e]);
+        for (int e = 0; e < DV; e++) Md[e] = Md[e] + a0 * b[0][e] + a1 * b[1][e] + a2 * b[2][e] + a3 * b[3][e];
     }
 }
 
@@ -385,19 +400,17 @@ void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t
 
 /* A query row's softmax over its features into p (zero past DK). */
 static inline void row_softmax(const REAL *restrict x, REAL *restrict p, REAL floor_) {
-    REAL xp[DKP], lane[LANES], top, sum[LANES] = {0}, total = 0; /* max and sum lane by lane */
+    REAL xp[DKP], lane[LANES], top, sum[LANES] = {0}; /* max and sum lane by lane */
     for (int d = 0; d < DKP; d++) xp[d] = x[d < DK ? d : 0]; /* (padded with x[0]: no new max) */
     for (int j = 0; j < LANES; j++) lane[j] = xp[j];
     for (int d0 = LANES; d0 < DKP; d0 += LANES)
         for (int j = 0; j < LANES; j++) lane[j] = xp[d0 + j] > lane[j] ? xp[d0 + j] : lane[j];
-    top = lane[0];
-    for (int j = 1; j < LANES; j++) top = lane[j] > top ? lane[j] : top;
+    top = lanes_max(lane);
     for (int d = 0; d < DK; d++) p[d] = exp_nonpositive(x[d] - top, floor_);
     for (int d = DK; d < DKP; d++) p[d] = 0;
     for (int d0 = 0; d0 < DKP; d0 += LANES)
         for (int j = 0; j < LANES; j++) sum[j] += p[d0 + j];
-    for (int j = 0; j < LANES; j++) total += sum[j];
-    const REAL inv = 1 / total;
+    const REAL inv = 1 / lanes_sum(sum);
     for (int d = 0; d < DK; d++) p[d] *= inv;
 }
 
