@@ -192,3 +192,50 @@ def test_native_efficient_runs_float32_and_gradcheck(monkeypatch):
     ref = attnzoo.attention(q, k, v, mechanism="efficient", key_mask=km, reference=True)
     torch.testing.assert_close(native.double(), ref, atol=2e-6, rtol=2e-5)
     assert len(calls) >= 2 and all(ran for _, ran in calls), calls
+
+
+def _lsh(q, k, v, km, generator_seed, reference=False, **options):
+    with torch.no_grad():
+        return attnzoo.attention(q, k, v, mechanism="lsh", key_mask=km, reference=reference,
+                                 generator=torch.Generator().manual_seed(generator_seed), **options)
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 70), D=st.sampled_from([1, 3, 8, 17]),
+       Dv=st.sampled_from([1, 5, 8]), bucket_size=st.sampled_from([1, 2, 5, 8]), n_hashes=st.integers(1, 4),
+       across=st.booleans(), count_duplicates=st.booleans(), shared=st.booleans(), causal=st.booleans(),
+       masked=st.booleans(), seed=st.integers(0, 99))
+def test_native_lsh_matches_eager_and_reference_float64(B, H, L, D, Dv, bucket_size, n_hashes, across,
+                                                        count_duplicates, shared, causal, masked, seed):
+    """LSH's forward without gradients in C: every round's chunks and windows (the last chunk
+    short, chunk 0 without one before), buckets, causality, keys met in earlier rounds (counted
+    once or not), the self penalty, padded keys and queries with no key at all, widths off the
+    vector lanes, against the eager rounds and the dense reference, in float64."""
+    q, k, v, km = random_inputs(B, H, L, L, D, Dv, seed=seed, masked=masked)
+    k = q if shared else k
+    options = dict(causal=causal, bucket_size=bucket_size, n_hashes=n_hashes, attend_across_buckets=across,
+                   count_duplicates=count_duplicates, shared_qk=shared)
+    native = _lsh(q, k, v, km, seed, **options)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ATTNZOO_NATIVE", "0")
+        eager = _lsh(q, k, v, km, seed, **options)
+    ref = _lsh(q, k, v, km, seed, reference=True, **options)
+    torch.testing.assert_close(native, eager, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(native, ref, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_native_lsh_float32_runs_only_without_gradients(monkeypatch, causal):
+    """float32 (the polynomial exp) at the benchmark's widths within float32 rounding of the
+    float64 reference; under autograd the eager rounds run (their backward needs them)."""
+    calls = []
+    monkeypatch.setattr(_native, "lsh", _spy(_native.lsh, "lsh", calls))
+    q, _, v, km = random_inputs(B=2, H=4, Lq=301, Lk=301, D=64, Dv=64, masked=True, seed=3)
+    options = dict(causal=causal, bucket_size=16, n_hashes=3, shared_qk=True)
+    native = _lsh(q.float(), q.float(), v.float(), km, 7, **options)
+    ref = _lsh(q, q, v, km, 7, reference=True, **options)
+    torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=2e-4)
+    assert calls == [("lsh", True)]
+    q.requires_grad_(True)
+    attnzoo.attention(q, q, v, mechanism="lsh", generator=torch.Generator().manual_seed(7), **options)
+    assert calls[1:] == [("lsh", False)]

@@ -5,14 +5,16 @@ after another: eager torch can only run it as chunked matmuls and a dozen passes
 block, ~10× its FLOP floor at L = 16384 on the benchmark's CPU. The recurrence in C keeps S in
 the L1 cache and reads each input once (native/kernels.c); so does the non-causal form, where
 eager torch takes four passes for each map φ = elu + 1 and more for the normaliser, and so
-does efficient attention (two softmaxes and two small products).
+does efficient attention (two softmaxes and two small products). LSH attention's rounds, in
+eager torch gathers, penalty passes, softmax passes and merges around small matmuls, run in
+C without gradients: each chunk's window of keys in cache, its masks made as it goes.
 
 Each (dtype, D, Dv) gets its own build (0.2 s with gcc, the sizes compiled in, so the
 compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
 ``~/.cache/attnzoo``) under a name that hashes the source, the flags and the CPU, so a
 changed source or another machine builds afresh. Where there is no compiler, the build
 fails, or ``ATTNZOO_NATIVE=0``, the entry points (:func:`causal_linear`, :func:`linear`,
-:func:`efficient`) return None and the callers take their eager path: the results are the
+:func:`efficient`, :func:`lsh`) return None and the callers take their eager path: the results are the
 same either way (to rounding; the tests hold them to it). The batch entries and heads are
 split among torch's intra-op threads: ctypes lets go of the GIL while C runs.
 """
@@ -56,7 +58,7 @@ def cache_dir() -> Path:
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-march=native", "-fPIC", "-shared"]
+    flags = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-mprefer-vector-width=512")  # AVX-512 where there is one (1.3x over 256 here)
     return flags
@@ -97,10 +99,13 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
                   "efficient_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
                   "efficient_queries": [ptr, i64] + [ptr] * 2 + [i64] * 2 + [scalar],
                   "efficient_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 2 + [scalar],
-                  "efficient_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 6 + [i64] * 2 + [scalar] * 2}
+                  "efficient_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 6 + [i64] * 2 + [scalar] * 2,
+                  "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 8 + [i64] * 4 + [ctypes.c_int]
+                  + [scalar] * 3}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name.endswith("_grad") else None)
+        returns_status = name.endswith("_grad") or name == "lsh_forward"  # 0, or -1: no memory
+        fn.argtypes, fn.restype = argtypes, (ctypes.c_int if returns_status else None)
     return lib
 
 
@@ -179,9 +184,9 @@ def _with_autograd(function, forward, lib, q, k, v, *args):
 
 
 def _checked(*statuses: int) -> None:
-    """Raise where a backward kernel could not have its (D, Dv) buffers (status −1)."""
+    """Raise where a kernel could not have its buffers (status −1)."""
     if any(statuses):
-        raise MemoryError("attnzoo native backward: no memory for a (D, Dv) buffer")
+        raise MemoryError("attnzoo native kernel: no memory for its buffers")
 
 
 def _at(t: torch.Tensor | None, a: int, stride: int | None = None):
@@ -333,3 +338,30 @@ class _EfficientNative(torch.autograd.Function):
 
         _over_heads(B * H, run)
         return dq, dk, dv, None, None
+
+
+def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, self2):
+    """LSH attention's forward without gradients, every round in C: q, k (B, H, L, D), v (B, H, L, Dv)
+    -> (B, H, L, Dv). ``hashed`` = (q_buckets, k_buckets, q_order, k_order), each (B, H, n_hashes, L)
+    int64 (:func:`attnzoo.mechanisms.lsh._buckets_and_order`); ``codes`` = (q_code, k_code) of the
+    rounds each pair met in, or None (keys met in several rounds then count once a round); scores
+    in base 2 (``scale2`` = scale·log2 e), ``self2`` off a query's own key where ``shared``.
+    O(n_hashes·L·2m·(D + Dv)) time, O(m·(D + Dv)) memory a thread beside the output. None under
+    autograd, or where the kernels cannot run (:func:`_kernels`)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return None
+    lib = _kernels(q, k, v)
+    if lib is None:
+        return None
+    (B, H, L, _), Dv, R = q.shape, v.shape[-1], hashed[2].shape[2]
+    q, k, v = _heads(q), _heads(k), _heads(v)
+    q_buckets, k_buckets, q_order, k_order = (t.reshape(B * H, R, L).contiguous() for t in hashed)
+    q_code, k_code = (None, None) if codes is None else (
+        c.to(torch.int32).reshape(B * H, R, L).contiguous() for c in codes)
+    out, ok = fresh_empty(B, H, L, Dv, like=v), _key_ok(key_mask, B, H, L)
+    flags, floor = int(causal) | 2 * int(shared) | 4 * int(across), _floor(q.dtype)
+    _over_heads(B * H, lambda a, b: _checked(lib.lsh_forward(
+        _at(q, a), _at(k, a), _at(v, a), q.stride(1), k.stride(1), v.stride(1),
+        *(_at(t, a, R * L) for t in (q_order, k_order, q_buckets, k_buckets, q_code, k_code)),
+        _at(ok, a, L), _at(out, a, L * Dv), b - a, L, R, m, flags, scale2, self2, floor)))
+    return out

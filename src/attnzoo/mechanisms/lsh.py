@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnzoo import _native
 from attnzoo._pages import fresh_empty, fresh_like
 from attnzoo.mechanisms._common import (
     LOG2E,
@@ -148,6 +149,8 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     Choices: rotations are shared by batch and heads; chunk 0 has no chunk before it (no
     wrap-around); with ``shared_qk`` a query's own key scores −1e5, so it is attended only
     when nothing else is, as in the paper.
+    Without gradients (float32 or float64 on the CPU) the rounds run in C
+    (:func:`attnzoo._native.lsh`): the same softmax over the same keys.
     """
     keys = _keys_of(q, k, opts)
     B, H, L, D = q.shape
@@ -155,6 +158,10 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     codes = None
     if opts.count_duplicates and opts.n_hashes > 1:
         codes = _meeting_codes(*hashed, opts.bucket_size, opts)
+    out = _native.lsh(q, keys, v, hashed, codes, key_mask, causal, opts.shared_qk, opts.attend_across_buckets,
+                      opts.bucket_size, softmax_scale(q, scale) * LOG2E, SELF_PENALTY * LOG2E)
+    if out is not None:  # (without gradients: every round in C)
+        return out
     dtype = wide(q).dtype
     plans = [_Round(r, *hashed, codes, key_mask, causal, opts, dtype, softmax_scale(q, scale))
              for r in range(opts.n_hashes)]

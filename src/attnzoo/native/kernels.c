@@ -1,5 +1,6 @@
 /* attnzoo's native kernels: linear and efficient attention, whose least work is a few
- * products of each row with a small (DK x DV) state.
+ * products of each row with a small (DK x DV) state, and the forward of LSH attention's
+ * rounds (at the end of the file).
  *
  * Linear attention with elu + 1 features (Katharopoulos et al., ICML 2020), per (batch, head):
  * causal in its recurrent form, for t = 0 .. L-1,
@@ -16,6 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifndef DK
 #error "compile with -DDK=<key features> -DDV=<value width> -DREAL=<float|double>"
@@ -491,4 +493,240 @@ int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int
     free(dS);
     free(dSt);
     return 0;
+}
+
+/* ---- Reformer's LSH attention (Kitaev et al., ICLR 2020), forward without gradients. Per
+ * (batch, head) and hash round r: the queries sorted by (bucket, position) in chunks of m, each
+ * chunk against the window of sorted keys [(c - 1)m, (c + 1)m) (chunk 0: its own only). A key
+ * is in a query's reach where it takes part (key_ok), and is in the query's bucket (unless
+ * across), not after it (if causal), and was not met in an earlier round (codes, when given:
+ * met in round t iff 0 <= q_code - k_code <= 1). Scores in base 2 (scale2 = scale log2 e),
+ * the query's own key less self2 (shared QK). Each round's unnormalised softmax over its
+ * window merges into the query's running numerator and sum, rescaled to the larger maximum
+ * (flash attention's merge, in base 2): at the end, the softmax over the union of the rounds'
+ * keys; 0 for a query with no key in reach in any round. A chunk's window is gathered once
+ * (its first half is the chunk before's keys, kept), its scores key by query, so that the
+ * masks, maxima and sums run along the queries in vector lanes; the next chunk's scattered
+ * rows are prefetched. Work: 2 * 2m * (DK + DV) multiply-adds a query and round, less the keys
+ * after a causal query in its own chunk (one order, within buckets: no weight). */
+
+#define QT 64 /* queries a tile of the scores */
+
+/* S[w][i] = K[w] . Qt[., i] for four keys from w0 and the queries i < MP (Qt: DK x MP,
+ * queries as columns; S rows MP apart): four keys by QT queries in registers. */
+static AI void four_keys_scores(const REAL *restrict K, int64_t w0, const REAL *restrict Qt, int64_t MP,
+                                REAL *restrict S) {
+    const REAL *restrict k0 = K + w0 * DK, *restrict k1 = k0 + DK, *restrict k2 = k1 + DK, *restrict k3 = k2 + DK;
+    for (int64_t i0 = 0; i0 < MP; i0 += QT) {
+        REAL acc[4][QT];
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < QT; i++) acc[j][i] = 0;
+        for (int d = 0; d < DK; d++) {
+            const REAL *restrict qd = Qt + d * MP + i0;
+            const REAL a0 = k0[d], a1 = k1[d], a2 = k2[d], a3 = k3[d];
+            for (int i = 0; i < QT; i++) {
+                acc[0][i] += a0 * qd[i];
+                acc[1][i] += a1 * qd[i];
+                acc[2][i] += a2 * qd[i];
+                acc[3][i] += a3 * qd[i];
+            }
+        }
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < QT; i++) S[(w0 + j) * MP + i0 + i] = acc[j][i];
+    }
+}
+
+/* o[j] = sum_w P[w][i0 + j] V[w] for four queries from i0, w < W (P rows MP apart, V: W x DV). */
+static AI void four_queries_values(const REAL *restrict P, int64_t MP, int64_t i0, int64_t W,
+                                   const REAL *restrict V, REAL (*restrict o)[DV]) {
+    for (int e = 0; e < DV; e++) o[0][e] = o[1][e] = o[2][e] = o[3][e] = 0;
+    for (int64_t w = 0; w < W; w++) {
+        const REAL *restrict vw = V + w * DV, *restrict pw = P + w * MP + i0;
+        const REAL p0 = pw[0], p1 = pw[1], p2 = pw[2], p3 = pw[3];
+        for (int e = 0; e < DV; e++) {
+            o[0][e] += p0 * vw[e];
+            o[1][e] += p1 * vw[e];
+            o[2][e] += p2 * vw[e];
+            o[3][e] += p3 * vw[e];
+        }
+    }
+}
+
+/* A round's unnormalised output o, its sum of weights and its top (base 2) merged into a
+ * query's running numerator out, sum den and top mx: both rescaled to the larger top. */
+static inline void merge_row(REAL *restrict out, REAL *restrict den, REAL *restrict mx, const REAL *restrict o,
+                             REAL sum, REAL top, REAL floor_) {
+    if (sum == 0) return; /* no key in reach this round */
+    const REAL hi = top > *mx ? top : *mx;
+    const REAL a = exp_nonpositive((*mx - hi) * (REAL)M_LN2, floor_), b = exp_nonpositive((top - hi) * (REAL)M_LN2, floor_);
+    for (int e = 0; e < DV; e++) out[e] = out[e] * a + o[e] * b;
+    *den = *den * a + sum * b;
+    *mx = hi;
+}
+
+/* The buffers of one chunk and its window: m queries (MP, padded to whole tiles), 2m keys. */
+typedef struct {
+    int64_t rows; /* the key side's: 2m + 3 (the last group of four keys reads up to 3 past W) */
+    REAL *Qt, *K, *V, *S, *top, *sum;
+    int32_t *qp, *qb, *qc, *in, *kpos, *kb, *kok, *kc;
+} Window;
+
+static int window_alloc(Window *b, int64_t m, int64_t MP, int64_t R) {
+    const int64_t W = b->rows = 2 * m + 3, n_codes = R > 1 ? R - 1 : 1;
+    b->Qt = malloc(sizeof(REAL) * DK * MP);
+    b->K = calloc(W * DK, sizeof(REAL));
+    b->V = calloc(W * DV, sizeof(REAL));
+    b->S = malloc(sizeof(REAL) * W * MP);
+    b->top = malloc(sizeof(REAL) * MP);
+    b->sum = malloc(sizeof(REAL) * MP);
+    b->qp = malloc(sizeof(int32_t) * MP);
+    b->qb = malloc(sizeof(int32_t) * MP);
+    b->qc = malloc(sizeof(int32_t) * n_codes * MP);
+    b->in = malloc(sizeof(int32_t) * MP);
+    b->kpos = malloc(sizeof(int32_t) * W);
+    b->kb = malloc(sizeof(int32_t) * W);
+    b->kok = malloc(sizeof(int32_t) * W);
+    b->kc = malloc(sizeof(int32_t) * n_codes * W);
+    return b->Qt && b->K && b->V && b->S && b->top && b->sum && b->qp && b->qb && b->qc && b->in && b->kpos && b->kb &&
+           b->kok && b->kc ? 0 : -1;
+}
+
+static void window_free(Window *b) {
+    void *all[] = {b->Qt, b->K, b->V, b->S, b->top, b->sum, b->qp, b->qb, b->qc, b->in, b->kpos, b->kb, b->kok, b->kc};
+    for (unsigned i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
+}
+
+/* Prefetch the rows (width values each) at positions pos[0..n) of X: the next chunk's rows are
+ * scattered over the head (L2 misses, each as long as a tile of products) while this one's
+ * are computed. */
+static void prefetch_rows(const REAL *X, const int64_t *pos, int64_t n, int64_t width, int for_write) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t at = 0; at < width * (int64_t)sizeof(REAL); at += 64) {
+            const char *line = (const char *)(X + pos[i] * width) + at;
+            if (for_write) __builtin_prefetch(line, 1);
+            else __builtin_prefetch(line);
+        }
+}
+
+/* The window's second half (chunk c - 1's m keys, values and their facts) into its first. */
+static void window_shift(Window *b, int64_t m, int64_t n_codes) {
+    memcpy(b->K, b->K + m * DK, sizeof(REAL) * m * DK);
+    memcpy(b->V, b->V + m * DV, sizeof(REAL) * m * DV);
+    int32_t *facts[] = {b->kpos, b->kb, b->kok};
+    for (int f = 0; f < 3; f++) memcpy(facts[f], facts[f] + m, sizeof(int32_t) * m);
+    for (int64_t t = 0; t < n_codes; t++) memcpy(b->kc + t * b->rows, b->kc + t * b->rows + m, sizeof(int32_t) * m);
+}
+
+/* Column i of S (W rows, MP apart) -> the weights 2^(s - top_i) of query i over the keys in
+ * its reach (0 elsewhere), with top and the sums of the weights by query: every loop runs
+ * along the queries, so that it vectorises. Key row w >= own (the chunk's own keys, with one
+ * order, causal, within buckets; else own = W) is out of reach of the queries before w - own:
+ * their columns there are skipped, by whole lanes (four_queries_values does not read them). */
+static void window_weights(Window *b, int64_t W, int64_t MP, int64_t nq, int64_t n_codes, int flags,
+                           int64_t own, REAL self2, REAL floor_) {
+    const int causal = flags & 1, shared = flags >> 1 & 1, across = flags >> 2 & 1;
+    REAL *restrict top = b->top, *restrict sum = b->sum;
+    const int32_t *restrict qp = b->qp, *restrict qb = b->qb;
+    for (int64_t i = 0; i < MP; i++) top[i] = -INFINITY, sum[i] = 0;
+    for (int64_t w = 0; w < W; w++) {
+        REAL *restrict s = b->S + w * MP;
+        int32_t *restrict in = b->in;
+        const int32_t kp = b->kpos[w], kb = b->kb[w], kok = b->kok[w];
+        const int64_t from = w >= own ? (w - own) & ~(int64_t)(LANES - 1) : 0;
+        for (int64_t i = from; i < MP; i++)
+            in[i] = kok & (i < nq) & (across | (qb[i] == kb)) & (!causal | (kp <= qp[i]));
+        for (int64_t t = 0; t < n_codes; t++) { /* not met in an earlier round */
+            const int32_t *restrict qc = b->qc + t * MP, kc = b->kc[t * b->rows + w];
+            for (int64_t i = from; i < MP; i++) in[i] &= (qc[i] - kc < 0) | (qc[i] - kc > 1);
+        }
+        for (int64_t i = from; i < MP; i++) {
+            const REAL x = in[i] ? s[i] - (shared && kp == qp[i] ? self2 : 0) : -INFINITY;
+            s[i] = x;
+            top[i] = x > top[i] ? x : top[i];
+        }
+    }
+    for (int64_t w = 0; w < W; w++) {
+        REAL *restrict s = b->S + w * MP;
+        for (int64_t i = w >= own ? (w - own) & ~(int64_t)(LANES - 1) : 0; i < MP; i++) {
+            const REAL p = s[i] == -INFINITY ? 0 : exp_nonpositive((s[i] - top[i]) * (REAL)M_LN2, floor_);
+            s[i] = p;
+            sum[i] += p;
+        }
+    }
+}
+
+/* q, k (n_heads, L, DK) rows, v (n_heads, L, DV), heads q_head, k_head, v_head values apart;
+ * q_order, k_order (n_heads, R, L): each round's positions sorted by (bucket, position);
+ * q_bucket, k_bucket (n_heads, R, L): each position's bucket; q_code, k_code (n_heads, R, L)
+ * or null; key_ok (n_heads, L) or null. flags: 1 causal, 2 shared QK (self2 off the query's own
+ * key), 4 across buckets. Writes out (n_heads, L, DV). Returns 0, or -1 without memory for
+ * the window's buffers. */
+int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int64_t k_head, int64_t v_head,
+                const int64_t *q_order, const int64_t *k_order, const int64_t *q_bucket, const int64_t *k_bucket,
+                const int32_t *q_code, const int32_t *k_code, const uint8_t *key_ok, REAL *out,
+                int64_t n_heads, int64_t L, int64_t R, int64_t m, int flags, REAL scale2, REAL self2,
+                REAL floor_) {
+    const int64_t MP = (m + QT - 1) / QT * QT, nc = (L + m - 1) / m;
+    Window b;
+    REAL *den = malloc(sizeof(REAL) * L), *mx = malloc(sizeof(REAL) * L);
+    int status = window_alloc(&b, m, MP, R) || !den || !mx ? -1 : 0;
+    for (int64_t h = 0; h < n_heads && !status; h++) {
+        const REAL *Q = q + h * q_head, *K = k + h * k_head, *Vh = v + h * v_head;
+        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
+        REAL *O = out + h * L * DV;
+        for (int64_t i = 0; i < L * DV; i++) O[i] = 0;
+        for (int64_t i = 0; i < L; i++) den[i] = 0, mx[i] = -INFINITY;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t *qo = q_order + (h * R + r) * L, *ko = k_order + (h * R + r) * L;
+            const int64_t *qb = q_bucket + (h * R + r) * L, *kb = k_bucket + (h * R + r) * L;
+            const int64_t n_codes = q_code ? r : 0; /* the earlier rounds' codes */
+            for (int64_t c = 0; c < nc; c++) {
+                const int64_t qs = c * m, nq = (c + 1) * m < L ? m : L - qs;
+                const int64_t ws = c > 0 ? qs - m : 0, W = (qs + nq) - ws;
+                if (c + 1 < nc) { /* chunk c + 1's rows, on their way */
+                    const int64_t next = (c + 2) * m < L ? m : L - qs - m;
+                    prefetch_rows(K, ko + qs + m, next, DK, 0);
+                    prefetch_rows(Vh, ko + qs + m, next, DV, 0);
+                    prefetch_rows(Q, qo + qs + m, next, DK, 0);
+                    prefetch_rows(O, qo + qs + m, next, DV, 1);
+                }
+                if (c > 1) window_shift(&b, m, n_codes); /* chunk c - 1's keys: the window's first half */
+                for (int64_t w = c > 0 ? m : 0; w < W; w++) { /* the chunk's keys and values, gathered */
+                    const int64_t p = ko[ws + w];
+                    b.kpos[w] = (int32_t)p;
+                    b.kb[w] = (int32_t)kb[p];
+                    b.kok[w] = !ok || ok[p];
+                    for (int d = 0; d < DK; d++) b.K[w * DK + d] = K[p * DK + d];
+                    for (int e = 0; e < DV; e++) b.V[w * DV + e] = Vh[p * DV + e];
+                    for (int64_t t = 0; t < n_codes; t++) b.kc[t * b.rows + w] = k_code[(h * R + t) * L + p];
+                }
+                for (int64_t i = 0; i < MP; i++) { /* the chunk's queries, as columns */
+                    const int64_t p = qo[qs + (i < nq ? i : 0)];
+                    b.qp[i] = (int32_t)p;
+                    b.qb[i] = (int32_t)qb[p];
+                    for (int d = 0; d < DK; d++) b.Qt[d * MP + i] = i < nq ? Q[p * DK + d] * scale2 : 0;
+                    for (int64_t t = 0; t < n_codes; t++) b.qc[t * MP + i] = q_code[(h * R + t) * L + p];
+                }
+                for (int64_t w0 = 0; w0 < W; w0 += 4) four_keys_scores(b.K, w0, b.Qt, MP, b.S);
+                /* with one order, causal, within buckets: no query sees a key after its own slot */
+                const int64_t own = (flags & 7) == 3 ? qs - ws : W;
+                window_weights(&b, W, MP, nq, n_codes, flags, own, self2, floor_);
+                for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+                    REAL o[4][DV];
+                    four_queries_values(b.S, MP, i0, own + i0 + 4 < W ? own + i0 + 4 : W, b.V, o);
+                    for (int j = 0; j < 4 && i0 + j < nq; j++)
+                        merge_row(O + b.qp[i0 + j] * DV, den + b.qp[i0 + j], mx + b.qp[i0 + j], o[j],
+                                  b.sum[i0 + j], b.top[i0 + j], floor_);
+                }
+            }
+        }
+        for (int64_t i = 0; i < L; i++) { /* out / den; 0 where no key was in reach */
+            const REAL inv = den[i] > 0 ? 1 / den[i] : 0;
+            for (int e = 0; e < DV; e++) O[i * DV + e] *= inv;
+        }
+    }
+    window_free(&b);
+    free(den);
+    free(mx);
+    return status;
 }
