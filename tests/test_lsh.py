@@ -138,11 +138,14 @@ def test_lsh_duplicate_counting_changes_the_weights():
     assert not torch.allclose(run(True), run(False))
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_hash_buckets_is_the_argmax_of_the_concatenation(monkeypatch, dtype):
-    """h(x) = argmax([xR; -xR]) with argmax's first-maximum rule, ties included, over blocks."""
+def test_hash_buckets_is_the_argmax_of_the_concatenation(monkeypatch, dtype, native):
+    """h(x) = argmax([xR; -xR]) with argmax's first-maximum rule, ties included, over blocks,
+    in C (from (xR)ᵀ) and in torch."""
     from attnzoo.mechanisms import lsh
 
+    monkeypatch.setenv("ATTNZOO_NATIVE", native)
     monkeypatch.setattr(lsh, "HASH_BLOCK", 2 * 3 * 3 * 8 * 5)  # 5 positions a block: several blocks
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 37, 6, generator=g, dtype=dtype)

@@ -77,8 +77,8 @@ def test_native_kernel_runs_and_carries_the_state(monkeypatch):
 
 
 def _spy(kernel, name, calls):
-    def spy(*args):
-        result = kernel(*args)
+    def spy(*args, **kwargs):
+        result = kernel(*args, **kwargs)
         calls.append((name, result is not None))
         return result
     return spy
@@ -239,3 +239,15 @@ def test_native_lsh_float32_runs_only_without_gradients(monkeypatch, causal):
     q.requires_grad_(True)
     attnzoo.attention(q, q, v, mechanism="lsh", generator=torch.Generator().manual_seed(7), **options)
     assert calls[1:] == [("lsh", False)]
+
+
+def test_lsh_order_is_torchs_stable_sort():
+    """The counting sort of LSH's buckets: torch's stable sort, for one bucket, many, rows of
+    one position; a bucket out of range (a NaN's hash) leaves it to torch (None)."""
+    g = torch.Generator().manual_seed(0)
+    for shape, n_buckets in (((2, 3, 4, 37), 6), ((1, 1, 1, 1), 1), ((3, 2, 500), 1), ((5, 64), 200)):
+        buckets = torch.randint(0, n_buckets, shape, generator=g)
+        order = _native.lsh_order(buckets, n_buckets)
+        assert torch.equal(order, torch.sort(buckets, dim=-1, stable=True)[1])
+    buckets[2, 7] = 200
+    assert _native.lsh_order(buckets, 200) is None

@@ -100,11 +100,13 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
                   "efficient_queries": [ptr, i64] + [ptr] * 2 + [i64] * 2 + [scalar],
                   "efficient_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 2 + [scalar],
                   "efficient_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 6 + [i64] * 2 + [scalar] * 2,
-                  "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 8 + [i64] * 4 + [ctypes.c_int]
-                  + [scalar] * 3}
+                  "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int]
+                  + [scalar] * 3,
+                  "lsh_buckets": [ptr] + [i64] * 4 + [ptr] + [i64] * 2,
+                  "lsh_order": [ptr] + [i64] * 3 + [ptr]}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        returns_status = name.endswith("_grad") or name == "lsh_forward"  # 0, or -1: no memory
+        returns_status = name.endswith("_grad") or name.startswith("lsh")  # 0, or -1: no memory
         fn.argtypes, fn.restype = argtypes, (ctypes.c_int if returns_status else None)
     return lib
 
@@ -145,14 +147,15 @@ def _heads(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _kernels(*ts: torch.Tensor) -> ctypes.CDLL | None:
-    """The kernels for ``ts`` = (q, k, v, ...) (B, H, ·, D) and (B, H, ·, Dv), or None where
-    they cannot run: turned off, not on the CPU, not float32/float64, or no compiler builds them."""
+def _kernels(*ts: torch.Tensor, sizes: tuple[int, int] | None = None) -> ctypes.CDLL | None:
+    """The kernels for ``ts`` = (q, k, v, ...) (B, H, ·, D) and (B, H, ·, Dv) (or the build for
+    ``sizes`` (D, Dv)), or None where they cannot run: turned off, not on the CPU, not float32
+    or float64, or no compiler builds them."""
     dtype = ts[0].dtype
     if not available() or ts[0].device.type != "cpu" or dtype not in _REALS or any(
             t.dtype != dtype for t in ts):
         return None
-    return _library(_compiler(), _REALS[dtype], ts[0].shape[-1], ts[2].shape[-1])
+    return _library(_compiler(), _REALS[dtype], *(sizes or (ts[0].shape[-1], ts[2].shape[-1])))
 
 
 def _key_ok(key_mask, B, H, L):
@@ -340,12 +343,13 @@ class _EfficientNative(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, self2):
+def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, self2, k_scale=None):
     """LSH attention's forward without gradients, every round in C: q, k (B, H, L, D), v (B, H, L, Dv)
     -> (B, H, L, Dv). ``hashed`` = (q_buckets, k_buckets, q_order, k_order), each (B, H, n_hashes, L)
     int64 (:func:`attnzoo.mechanisms.lsh._buckets_and_order`); ``codes`` = (q_code, k_code) of the
     rounds each pair met in, or None (keys met in several rounds then count once a round); scores
-    in base 2 (``scale2`` = scale·log2 e), ``self2`` off a query's own key where ``shared``.
+    in base 2 (``scale2`` = scale·log2 e), ``self2`` off a query's own key where ``shared``;
+    ``k_scale`` (B, H, L) or None: each key's factor (1/‖q‖ for shared QK's keys q/‖q‖).
     O(n_hashes·L·2m·(D + Dv)) time, O(m·(D + Dv)) memory a thread beside the output. None under
     autograd, or where the kernels cannot run (:func:`_kernels`)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -359,9 +363,45 @@ def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, sel
     q_code, k_code = (None, None) if codes is None else (
         c.to(torch.int32).reshape(B * H, R, L).contiguous() for c in codes)
     out, ok = fresh_empty(B, H, L, Dv, like=v), _key_ok(key_mask, B, H, L)
+    k_scale = None if k_scale is None else k_scale.reshape(B * H, L).contiguous()
     flags, floor = int(causal) | 2 * int(shared) | 4 * int(across), _floor(q.dtype)
     _over_heads(B * H, lambda a, b: _checked(lib.lsh_forward(
         _at(q, a), _at(k, a), _at(v, a), q.stride(1), k.stride(1), v.stride(1),
         *(_at(t, a, R * L) for t in (q_order, k_order, q_buckets, k_buckets, q_code, k_code)),
-        _at(ok, a, L), _at(out, a, L * Dv), b - a, L, R, m, flags, scale2, self2, floor)))
+        _at(ok, a, L), _at(k_scale, a, L), _at(out, a, L * Dv), b - a, L, R, m, flags, scale2, self2, floor)))
     return out
+
+
+def lsh_kernels(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The build that hashes x (B, H, L, D) (:func:`lsh_buckets`; it uses no D or Dv: one build
+    serves every shape), or None where the kernels cannot run."""
+    return _kernels(x, sizes=(1, 1))
+
+
+def lsh_buckets(lib, rotated, buckets, start) -> None:
+    """LSH's bucket of n positions in each round from ``rotated`` (B, H, R, b/2, n) = (x R)ᵀ into
+    ``buckets`` (B, H, R, L) at positions start..start + n: the first index of the maximum of
+    [xR; −xR] (:func:`attnzoo.mechanisms.lsh.hash_buckets`)."""
+    B, H, R, half, n = rotated.shape
+    L = buckets.shape[-1]
+    _over_heads(B * H, lambda a, b: _checked(lib.lsh_buckets(
+        _at(rotated, a, R * half * n), b - a, n, R, half, _at(buckets, a, R * L), L, start)))
+
+
+def lsh_order(buckets: torch.Tensor, n_buckets: int) -> torch.Tensor | None:
+    """``torch.sort(buckets, dim=-1, stable=True)[1]`` for int64 buckets (..., L) in [0, n_buckets),
+    by a counting sort in C: O(L + n_buckets) a row. None where the kernels cannot run or a
+    bucket is out of range."""
+    lib = _kernels(torch.empty(0), sizes=(1, 1))  # (no D or Dv: one build serves every shape)
+    if lib is None or buckets.dtype != torch.int64 or buckets.device.type != "cpu":
+        return None
+    b = buckets.contiguous()
+    L, rows = b.shape[-1], b.numel() // max(1, b.shape[-1])
+    order, failed = torch.empty_like(b), []
+
+    def run(a, z):
+        if lib.lsh_order(_at(b, a, L), z - a, L, n_buckets, _at(order, a, L)):
+            failed.append(a)
+
+    _over_heads(rows, run)
+    return None if failed else order

@@ -74,7 +74,9 @@ def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     Computed as the first c with xR_c = max(xR) where max(xR) >= -min(xR), else b/2 + the
     first c with xR_c = min(xR): the same first-maximum tie rule as the argmax of the
     concatenation, without building it. The first index is found by vectorised reductions
-    (max over hits of weights b/2 − c), several times faster on the CPU than argmax.
+    (max over hits of weights b/2 − c), several times faster on the CPU than argmax; where
+    the native kernels run, in C from (xR)ᵀ, whose reductions run across positions in vector
+    lanes (:func:`attnzoo._native.lsh_buckets`).
     """
     if rotations.shape[-1] == 0:  # one bucket
         return torch.zeros(*x.shape[:2], rotations.shape[0], x.shape[2], dtype=torch.long,
@@ -89,8 +91,14 @@ def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     out = torch.empty(B, H, R, L, dtype=torch.long, device=x.device)
     rows = max(1, HASH_BLOCK // (B * H * R * half))  # positions a block: the rotated block stays in cache
     buffer = x.new_empty(B * H * min(rows, L) * R * half)  # one for every block (a fresh one faults in)
+    lib = _native.lsh_kernels(x)
     for s in range(0, L, rows):
         n = min(rows, L - s)
+        if lib is not None:  # in C, from (xR)ᵀ: the reductions run across positions, in vector lanes
+            rotated = buffer[:B * H * n * R * half].view(B, H, R * half, n)
+            torch.matmul(every_round.t(), x[:, :, s:s + n].transpose(-1, -2), out=rotated)
+            _native.lsh_buckets(lib, rotated.view(B, H, R, half, n), out, s)
+            continue
         rotated = buffer[:B * H * n * R * half].view(B, H, n, R, half)  # (B, H, n, R, b/2)
         torch.matmul(x[:, :, s:s + n], every_round, out=rotated.flatten(-2))
         top, low = rotated.amax(-1, keepdim=True), rotated.amin(-1, keepdim=True)
@@ -115,9 +123,16 @@ def _buckets_and_order(q, k, opts, generator):
                             device=q.device)  # shared by batch and heads
     q_buckets = hash_buckets(q, rotations)
     k_buckets = q_buckets if opts.shared_qk else hash_buckets(k, rotations)
-    q_order = torch.sort(q_buckets, dim=-1, stable=True)[1]  # stable: by position within a bucket
-    k_order = q_order if opts.shared_qk else torch.sort(k_buckets, dim=-1, stable=True)[1]
+    q_order = _order(q_buckets, b)
+    k_order = q_order if opts.shared_qk else _order(k_buckets, b)
     return q_buckets, k_buckets, q_order, k_order
+
+
+def _order(buckets, n_buckets):
+    """Positions sorted by bucket, stably (by position within a bucket), along the last dim:
+    a counting sort in C where it runs, else torch's sort."""
+    order = _native.lsh_order(buckets, n_buckets)
+    return torch.sort(buckets, dim=-1, stable=True)[1] if order is None else order
 
 
 def _meets(q_chunk_r, k_chunk_r, q_bucket_r, k_bucket_r, across: bool) -> torch.Tensor:
@@ -127,11 +142,18 @@ def _meets(q_chunk_r, k_chunk_r, q_bucket_r, k_bucket_r, across: bool) -> torch.
 
 
 def _keys_of(q, k, opts):
-    if not opts.shared_qk:
-        return k
-    if k is not q and not torch.equal(k, q):
+    _check_shared(q, k, opts)
+    return F.normalize(q, dim=-1) if opts.shared_qk else k
+
+
+def _inverse_norms(q):
+    """1 / max(‖q‖, 1e-12) by row (B, H, L): the factors of F.normalize's keys q/‖q‖."""
+    return torch.linalg.vector_norm(q, dim=-1).clamp_min_(1e-12).reciprocal_()
+
+
+def _check_shared(q, k, opts):
+    if opts.shared_qk and k is not q and not torch.equal(k, q):
         raise ValueError("lsh: shared_qk=True makes the keys q/‖q‖; pass k=q")
-    return F.normalize(q, dim=-1)
 
 
 def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, scale=None,
@@ -152,16 +174,18 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     Without gradients (float32 or float64 on the CPU) the rounds run in C
     (:func:`attnzoo._native.lsh`): the same softmax over the same keys.
     """
-    keys = _keys_of(q, k, opts)
+    _check_shared(q, k, opts)
     B, H, L, D = q.shape
-    hashed = _buckets_and_order(q, keys, opts, generator)
+    hashed = _buckets_and_order(q, k, opts, generator)  # (shared QK hashes q alone)
     codes = None
     if opts.count_duplicates and opts.n_hashes > 1:
         codes = _meeting_codes(*hashed, opts.bucket_size, opts)
-    out = _native.lsh(q, keys, v, hashed, codes, key_mask, causal, opts.shared_qk, opts.attend_across_buckets,
-                      opts.bucket_size, softmax_scale(q, scale) * LOG2E, SELF_PENALTY * LOG2E)
-    if out is not None:  # (without gradients: every round in C)
+    out = _native.lsh(q, k, v, hashed, codes, key_mask, causal, opts.shared_qk, opts.attend_across_buckets,
+                      opts.bucket_size, softmax_scale(q, scale) * LOG2E, SELF_PENALTY * LOG2E,
+                      k_scale=_inverse_norms(q) if opts.shared_qk else None)
+    if out is not None:  # (without gradients: every round in C, the keys q/‖q‖ scaled as gathered)
         return out
+    keys = _keys_of(q, k, opts)
     dtype = wide(q).dtype
     plans = [_Round(r, *hashed, codes, key_mask, causal, opts, dtype, softmax_scale(q, scale))
              for r in range(opts.n_hashes)]

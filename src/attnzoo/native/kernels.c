@@ -495,6 +495,60 @@ int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int
     return 0;
 }
 
+/* LSH's hash of n positions of n_heads heads from their rotations x R, laid out (n_heads, R,
+ * half, n) (positions in lanes: every reduction runs across rows, not along them): per round
+ * the argmax of [xR; -xR] with the first-maximum rule of torch's argmax of the concatenation,
+ * i.e. the first c with xR_c = max(xR) where max(xR) >= -min(xR), else half + the first c
+ * with xR_c = min(xR). Written to buckets (n_heads, R, L) at positions start.. . Returns 0,
+ * or -1 without memory for four rows of n. */
+int lsh_buckets(const REAL *rotated, int64_t n_heads, int64_t n, int64_t R, int64_t half, int64_t *buckets,
+                int64_t L, int64_t start) {
+    REAL *top = malloc(sizeof(REAL) * n), *low = malloc(sizeof(REAL) * n);
+    int64_t *first = malloc(sizeof(int64_t) * n), *second_half = malloc(sizeof(int64_t) * n);
+    const int status = top && low && first && second_half ? 0 : -1;
+    for (int64_t hr = 0; hr < n_heads * R && !status; hr++) {
+        const REAL *restrict X = rotated + hr * half * n;
+        for (int64_t i = 0; i < n; i++) top[i] = low[i] = X[i], first[i] = half;
+        for (int64_t c = 1; c < half; c++)
+            for (int64_t i = 0; i < n; i++) {
+                top[i] = X[c * n + i] > top[i] ? X[c * n + i] : top[i];
+                low[i] = X[c * n + i] < low[i] ? X[c * n + i] : low[i];
+            }
+        for (int64_t i = 0; i < n; i++) { /* the target: the maximum, or the minimum in -xR's half */
+            second_half[i] = top[i] >= -low[i] ? 0 : half;
+            top[i] = second_half[i] ? low[i] : top[i];
+        }
+        for (int64_t c = half - 1; c >= 0; c--) /* (downwards: the first c that hits is the last written) */
+            for (int64_t i = 0; i < n; i++) first[i] = X[c * n + i] == top[i] ? c : first[i];
+        int64_t *out = buckets + hr * L + start;
+        for (int64_t i = 0; i < n; i++) out[i] = first[i] + second_half[i];
+    }
+    free(top);
+    free(low);
+    free(first);
+    free(second_half);
+    return status;
+}
+
+/* Each row's positions sorted by bucket, stably (by position within a bucket): a counting
+ * sort of rows of L buckets in [0, n_buckets) into order (rows, L). Returns 0, or -1 without
+ * memory or for a bucket out of range (the caller sorts instead). */
+int lsh_order(const int64_t *buckets, int64_t rows, int64_t L, int64_t n_buckets, int64_t *order) {
+    int64_t *next = malloc(sizeof(int64_t) * (n_buckets + 1));
+    int status = next ? 0 : -1;
+    for (int64_t row = 0; row < rows && !status; row++) {
+        const int64_t *b = buckets + row * L;
+        for (int64_t j = 0; j <= n_buckets; j++) next[j] = 0;
+        for (int64_t i = 0; i < L && !status; i++)
+            if ((uint64_t)b[i] < (uint64_t)n_buckets) next[b[i] + 1]++;
+            else status = -1;
+        for (int64_t j = 1; j <= n_buckets; j++) next[j] += next[j - 1]; /* the first slot of each bucket */
+        for (int64_t i = 0; i < L && !status; i++) order[row * L + next[b[i]]++] = i;
+    }
+    free(next);
+    return status;
+}
+
 /* ---- Reformer's LSH attention (Kitaev et al., ICLR 2020), forward without gradients. Per
  * (batch, head) and hash round r: the queries sorted by (bucket, position) in chunks of m, each
  * chunk against the window of sorted keys [(c - 1)m, (c + 1)m) (chunk 0: its own only). A key
@@ -658,12 +712,13 @@ static void window_weights(Window *b, int64_t W, int64_t MP, int64_t nq, int64_t
 /* q, k (n_heads, L, DK) rows, v (n_heads, L, DV), heads q_head, k_head, v_head values apart;
  * q_order, k_order (n_heads, R, L): each round's positions sorted by (bucket, position);
  * q_bucket, k_bucket (n_heads, R, L): each position's bucket; q_code, k_code (n_heads, R, L)
- * or null; key_ok (n_heads, L) or null. flags: 1 causal, 2 shared QK (self2 off the query's own
+ * or null; key_ok (n_heads, L) or null; k_scale (n_heads, L) or null: each key row's factor
+ * (shared QK: 1 / its norm, so that the keys need not be written normalised). flags: 1 causal, 2 shared QK (self2 off the query's own
  * key), 4 across buckets. Writes out (n_heads, L, DV). Returns 0, or -1 without memory for
  * the window's buffers. */
 int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int64_t k_head, int64_t v_head,
                 const int64_t *q_order, const int64_t *k_order, const int64_t *q_bucket, const int64_t *k_bucket,
-                const int32_t *q_code, const int32_t *k_code, const uint8_t *key_ok, REAL *out,
+                const int32_t *q_code, const int32_t *k_code, const uint8_t *key_ok, const REAL *k_scale, REAL *out,
                 int64_t n_heads, int64_t L, int64_t R, int64_t m, int flags, REAL scale2, REAL self2,
                 REAL floor_) {
     const int64_t MP = (m + QT - 1) / QT * QT, nc = (L + m - 1) / m;
@@ -696,7 +751,8 @@ int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int
                     b.kpos[w] = (int32_t)p;
                     b.kb[w] = (int32_t)kb[p];
                     b.kok[w] = !ok || ok[p];
-                    for (int d = 0; d < DK; d++) b.K[w * DK + d] = K[p * DK + d];
+                    const REAL factor = k_scale ? k_scale[h * L + p] : 1;
+                    for (int d = 0; d < DK; d++) b.K[w * DK + d] = K[p * DK + d] * factor;
                     for (int e = 0; e < DV; e++) b.V[w * DV + e] = Vh[p * DV + e];
                     for (int64_t t = 0; t < n_codes; t++) b.kc[t * b.rows + w] = k_code[(h * R + t) * L + p];
                 }
