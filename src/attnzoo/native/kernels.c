@@ -561,40 +561,39 @@ int lsh_order(const int64_t *buckets, int64_t rows, int64_t L, int64_t n_buckets
  * keys; 0 for a query with no key in reach in any round. A chunk's window is gathered once
  * (its first half is the chunk before's keys, kept), its scores key by query, so that the
  * masks, maxima and sums run along the queries in vector lanes; the next chunk's scattered
- * rows are prefetched. Work: 2 * 2m * (DK + DV) multiply-adds a query and round, less the keys
- * after a causal query in its own chunk (one order, within buckets: no weight). */
+ * rows are prefetched. Work: 2 * 2m * (DK + DV) multiply-adds a query and round at most: within
+ * buckets (sorted by bucket, a bucket's keys and queries are runs) only the tiles where keys
+ * and queries share a bucket are computed, and, with one order and causal, none of the keys
+ * after a query's own slot (the rest have no weight). */
 
-#define QT 64 /* queries a tile of the scores */
-
-/* S[w][i] = K[w] . Qt[., i] for four keys from w0 and the queries i < MP (Qt: DK x MP,
- * queries as columns; S rows MP apart): four keys by QT queries in registers. */
-static AI void four_keys_scores(const REAL *restrict K, int64_t w0, const REAL *restrict Qt, int64_t MP,
-                                REAL *restrict S) {
-    const REAL *restrict k0 = K + w0 * DK, *restrict k1 = k0 + DK, *restrict k2 = k1 + DK, *restrict k3 = k2 + DK;
-    for (int64_t i0 = 0; i0 < MP; i0 += QT) {
-        REAL acc[4][QT];
-        for (int j = 0; j < 4; j++)
-            for (int i = 0; i < QT; i++) acc[j][i] = 0;
+/* S[w][i] = K[w] . Qt[., i] for KT keys from w0 and the queries from <= i < to, whole tiles
+ * of LANES (Qt: DK x MP, queries as columns; S rows MP apart): KT keys by a vector of queries
+ * in registers. */
+#define KT 16
+static AI void keys_scores(const REAL *restrict K, int64_t w0, const REAL *restrict Qt, int64_t MP,
+                           int64_t from, int64_t to, REAL *restrict S) {
+    for (int64_t i0 = from; i0 < to; i0 += LANES) {
+        REAL acc[KT][LANES];
+        for (int j = 0; j < KT; j++)
+            for (int i = 0; i < LANES; i++) acc[j][i] = 0;
         for (int d = 0; d < DK; d++) {
             const REAL *restrict qd = Qt + d * MP + i0;
-            const REAL a0 = k0[d], a1 = k1[d], a2 = k2[d], a3 = k3[d];
-            for (int i = 0; i < QT; i++) {
-                acc[0][i] += a0 * qd[i];
-                acc[1][i] += a1 * qd[i];
-                acc[2][i] += a2 * qd[i];
-                acc[3][i] += a3 * qd[i];
+            for (int j = 0; j < KT; j++) {
+                const REAL kj = K[(w0 + j) * DK + d];
+                for (int i = 0; i < LANES; i++) acc[j][i] += kj * qd[i];
             }
         }
-        for (int j = 0; j < 4; j++)
-            for (int i = 0; i < QT; i++) S[(w0 + j) * MP + i0 + i] = acc[j][i];
+        for (int j = 0; j < KT; j++)
+            for (int i = 0; i < LANES; i++) S[(w0 + j) * MP + i0 + i] = acc[j][i];
     }
 }
 
-/* o[j] = sum_w P[w][i0 + j] V[w] for four queries from i0, w < W (P rows MP apart, V: W x DV). */
-static AI void four_queries_values(const REAL *restrict P, int64_t MP, int64_t i0, int64_t W,
+/* o[j] = sum_w P[w][i0 + j] V[w] for four queries from i0, from <= w < to (P rows MP apart,
+ * V: rows of DV). */
+static AI void four_queries_values(const REAL *restrict P, int64_t MP, int64_t i0, int64_t from, int64_t to,
                                    const REAL *restrict V, REAL (*restrict o)[DV]) {
     for (int e = 0; e < DV; e++) o[0][e] = o[1][e] = o[2][e] = o[3][e] = 0;
-    for (int64_t w = 0; w < W; w++) {
+    for (int64_t w = from; w < to; w++) {
         const REAL *restrict vw = V + w * DV, *restrict pw = P + w * MP + i0;
         const REAL p0 = pw[0], p1 = pw[1], p2 = pw[2], p3 = pw[3];
         for (int e = 0; e < DV; e++) {
@@ -620,13 +619,13 @@ static inline void merge_row(REAL *restrict out, REAL *restrict den, REAL *restr
 
 /* The buffers of one chunk and its window: m queries (MP, padded to whole tiles), 2m keys. */
 typedef struct {
-    int64_t rows; /* the key side's: 2m + 3 (the last group of four keys reads up to 3 past W) */
+    int64_t rows; /* the key side's: 2m + KT - 1 (the last group of keys reads up to KT - 1 past W) */
     REAL *Qt, *K, *V, *S, *top, *sum;
     int32_t *qp, *qb, *qc, *in, *kpos, *kb, *kok, *kc;
 } Window;
 
 static int window_alloc(Window *b, int64_t m, int64_t MP, int64_t R) {
-    const int64_t W = b->rows = 2 * m + 3, n_codes = R > 1 ? R - 1 : 1;
+    const int64_t W = b->rows = 2 * m + KT - 1, n_codes = R > 1 ? R - 1 : 1;
     b->Qt = malloc(sizeof(REAL) * DK * MP);
     b->K = calloc(W * DK, sizeof(REAL));
     b->V = calloc(W * DV, sizeof(REAL));
@@ -721,7 +720,7 @@ int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int
                 const int32_t *q_code, const int32_t *k_code, const uint8_t *key_ok, const REAL *k_scale, REAL *out,
                 int64_t n_heads, int64_t L, int64_t R, int64_t m, int flags, REAL scale2, REAL self2,
                 REAL floor_) {
-    const int64_t MP = (m + QT - 1) / QT * QT, nc = (L + m - 1) / m;
+    const int64_t MP = (m + LANES - 1) / LANES * LANES, nc = (L + m - 1) / m;
     Window b;
     REAL *den = malloc(sizeof(REAL) * L), *mx = malloc(sizeof(REAL) * L);
     int status = window_alloc(&b, m, MP, R) || !den || !mx ? -1 : 0;
@@ -763,13 +762,28 @@ int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int
                     for (int d = 0; d < DK; d++) b.Qt[d * MP + i] = i < nq ? Q[p * DK + d] * scale2 : 0;
                     for (int64_t t = 0; t < n_codes; t++) b.qc[t * MP + i] = q_code[(h * R + t) * L + p];
                 }
-                for (int64_t w0 = 0; w0 < W; w0 += 4) four_keys_scores(b.K, w0, b.Qt, MP, b.S);
                 /* with one order, causal, within buckets: no query sees a key after its own slot */
                 const int64_t own = (flags & 7) == 3 ? qs - ws : W;
+                int64_t q_from = 0, q_to = flags & 4 ? MP : 0; /* within buckets: the keys' buckets' queries */
+                for (int64_t w0 = 0; w0 < W; w0 += KT) {
+                    if (!(flags & 4)) {
+                        const int32_t first = b.kb[w0], last = b.kb[w0 + KT - 1 < W ? w0 + KT - 1 : W - 1];
+                        while (q_from < nq && b.qb[q_from] < first) q_from++; /* (buckets ascend: both grow) */
+                        for (q_to = q_from > q_to ? q_from : q_to; q_to < nq && b.qb[q_to] <= last;) q_to++;
+                    }
+                    const int64_t lo = w0 > own && w0 - own > q_from ? w0 - own : q_from; /* (causal) */
+                    keys_scores(b.K, w0, b.Qt, MP, lo & ~(int64_t)(LANES - 1), q_to, b.S);
+                }
                 window_weights(&b, W, MP, nq, n_codes, flags, own, self2, floor_);
+                int64_t from = 0, to = flags & 4 ? W : 0; /* within buckets: their buckets' keys, a run */
                 for (int64_t i0 = 0; i0 < nq; i0 += 4) {
                     REAL o[4][DV];
-                    four_queries_values(b.S, MP, i0, own + i0 + 4 < W ? own + i0 + 4 : W, b.V, o);
+                    if (!(flags & 4)) {
+                        const int32_t first = b.qb[i0], last = b.qb[i0 + 3 < nq ? i0 + 3 : nq - 1];
+                        while (from < W && b.kb[from] < first) from++; /* (buckets ascend: both only grow) */
+                        for (to = from > to ? from : to; to < W && b.kb[to] <= last;) to++;
+                    }
+                    four_queries_values(b.S, MP, i0, from, own + i0 + 4 < to ? own + i0 + 4 : to, b.V, o);
                     for (int j = 0; j < 4 && i0 + j < nq; j++)
                         merge_row(O + b.qp[i0 + j] * DV, den + b.qp[i0 + j], mx + b.qp[i0 + j], o[j],
                                   b.sum[i0 + j], b.top[i0 + j], floor_);
