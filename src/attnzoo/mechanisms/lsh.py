@@ -167,7 +167,8 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     round runs over groups of its sorted chunks; a group gathers its queries and the keys
     and values of their windows into reused buffers, computes its scores in cache (in
     base 2, with the keys out of reach penalised) and merges into the output's running
-    log-sum-exp. The sort is O(L log L). No L×L tensor.
+    log-sum-exp. The sort is O(L log L) (a counting sort, O(L + b), where the native
+    kernels run). No L×L tensor.
     Choices: rotations are shared by batch and heads; chunk 0 has no chunk before it (no
     wrap-around); with ``shared_qk`` a query's own key scores −1e5, so it is attended only
     when nothing else is, as in the paper.
