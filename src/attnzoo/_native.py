@@ -14,9 +14,10 @@ compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
 ``~/.cache/attnzoo``) under a name that hashes the source, the flags and the CPU, so a
 changed source or another machine builds afresh. Where there is no compiler, the build
 fails, or ``ATTNZOO_NATIVE=0``, the entry points (:func:`causal_linear`, :func:`linear`,
-:func:`efficient`, :func:`lsh`) return None and the callers take their eager path: the results are the
-same either way (to rounding; the tests hold them to it). The batch entries and heads are
-split among torch's intra-op threads: ctypes lets go of the GIL while C runs.
+:func:`efficient`, :func:`lsh`, :func:`lsh_order`, and :func:`lsh_kernels` for the hash)
+return None and the callers take their eager path: the results are the same either way (to rounding; the tests
+hold them to it). The batch entries and heads are split among torch's intra-op threads:
+ctypes lets go of the GIL while C runs.
 """
 
 from __future__ import annotations
@@ -392,7 +393,7 @@ def lsh_order(buckets: torch.Tensor, n_buckets: int) -> torch.Tensor | None:
     """``torch.sort(buckets, dim=-1, stable=True)[1]`` for int64 buckets (..., L) in [0, n_buckets),
     by a counting sort in C: O(L + n_buckets) a row. None where the kernels cannot run or a
     bucket is out of range."""
-    lib = _kernels(torch.empty(0), sizes=(1, 1))  # (no D or Dv: one build serves every shape)
+    lib = _kernels(torch.empty(0), sizes=(1, 1))  # (float32's build: the sort needs no D, Dv or REAL)
     if lib is None or buckets.dtype != torch.int64 or buckets.device.type != "cpu":
         return None
     b = buckets.contiguous()
