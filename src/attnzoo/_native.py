@@ -15,9 +15,9 @@ compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
 changed source or another machine builds afresh. Where there is no compiler, the build
 fails, or ``ATTNZOO_NATIVE=0``, the entry points (:func:`causal_linear`, :func:`linear`,
 :func:`efficient`, :func:`lsh`, :func:`lsh_order`, and :func:`lsh_kernels` for the hash)
-return None and the callers take their eager path: the results are the same either way (to rounding; the tests
-hold them to it). The batch entries and heads are split among torch's intra-op threads:
-ctypes lets go of the GIL while C runs.
+return None and the callers take their eager path: the results are the same either way (to
+rounding; the tests hold them to it). The batch entries and heads are split among torch's
+intra-op threads: ctypes lets go of the GIL while C runs.
 """
 
 from __future__ import annotations
