@@ -1,6 +1,8 @@
-"""The native kernels (attnzoo._native), of linear attention (causal and not) and efficient
-attention: against the eager engines and the dense reference, their use by the mechanisms,
-and the fall-back where they cannot be built."""
+"""The native kernels (attnzoo._native), of linear attention (causal and not), efficient
+attention and LSH (its rounds, hash and sort): against the eager engines and the dense
+reference, their use by the mechanisms, and the fall-back where they cannot be built."""
+
+import warnings
 
 import pytest
 import torch
@@ -93,8 +95,12 @@ def test_without_the_kernel_the_eager_engine_answers(monkeypatch, tmp_path, how)
         monkeypatch.setenv("CC", "/nonexistent/cc" if how == "no compiler" else "false")
     q, k, v, km = random_inputs(B=1, H=2, Lq=9, Lk=11, D=7, Dv=3, masked=True, seed=1)
     S, z = torch.zeros(1, 2, 7, 3, dtype=q.dtype), torch.zeros(1, 2, 7, dtype=q.dtype)
-    assert _native.causal_linear(q, k[:, :, :9], v[:, :, :9], S, z, None, 1e-6) is None
-    assert _native.linear(q, k, v, km, 1e-6) is None
+    with warnings.catch_warnings(record=True) as said:  # a failed build says so, once a shape
+        warnings.simplefilter("always")
+        assert _native.causal_linear(q, k[:, :, :9], v[:, :, :9], S, z, None, 1e-6) is None
+        assert _native.linear(q, k, v, km, 1e-6) is None
+    assert [str(w.message)[:40] for w in said] == (
+        ["attnzoo: the native kernels (double, D=7"] if how == "build fails" else [])
     assert _native.available() == (how == "build fails")
     for causal in (True, False):
         with torch.no_grad():
@@ -201,8 +207,9 @@ def _lsh(q, k, v, km, generator_seed, reference=False, **options):
 
 
 @settings(max_examples=60, deadline=None)
-@given(B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 70), D=st.sampled_from([1, 3, 8, 17]),
-       Dv=st.sampled_from([1, 5, 8]), bucket_size=st.sampled_from([1, 2, 5, 8]), n_hashes=st.integers(1, 4),
+@given(B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 120), D=st.sampled_from([1, 3, 8, 17]),
+       Dv=st.sampled_from([1, 5, 8]), bucket_size=st.sampled_from([1, 2, 5, 8, 37]),
+       n_hashes=st.integers(1, 4),
        across=st.booleans(), count_duplicates=st.booleans(), shared=st.booleans(), causal=st.booleans(),
        masked=st.booleans(), seed=st.integers(0, 99))
 def test_native_lsh_matches_eager_and_reference_float64(B, H, L, D, Dv, bucket_size, n_hashes, across,
@@ -210,7 +217,8 @@ def test_native_lsh_matches_eager_and_reference_float64(B, H, L, D, Dv, bucket_s
     """LSH's forward without gradients in C: every round's chunks and windows (the last chunk
     short, chunk 0 without one before), buckets, causality, keys met in earlier rounds (counted
     once or not), the self penalty, padded keys and queries with no key at all, widths off the
-    vector lanes, against the eager rounds and the dense reference, in float64."""
+    vector lanes, chunks of more than one tile of queries (37), against the eager rounds and
+    the dense reference, in float64."""
     q, k, v, km = random_inputs(B, H, L, L, D, Dv, seed=seed, masked=masked)
     k = q if shared else k
     options = dict(causal=causal, bucket_size=bucket_size, n_hashes=n_hashes, attend_across_buckets=across,
@@ -222,6 +230,19 @@ def test_native_lsh_matches_eager_and_reference_float64(B, H, L, D, Dv, bucket_s
     ref = _lsh(q, k, v, km, seed, reference=True, **options)
     torch.testing.assert_close(native, eager, atol=1e-10, rtol=1e-8)
     torch.testing.assert_close(native, ref, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("n_buckets", [None, 64])
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_native_lsh_at_the_default_bucket_size(causal, across, n_buckets):
+    """Chunks of 64 (two tiles of queries) over 301 positions, with a few buckets a window or
+    many (runs starting anywhere in a tile), in float64."""
+    q, _, v, km = random_inputs(B=2, H=2, Lq=301, Lk=301, D=16, Dv=8, masked=True, seed=11)
+    options = dict(causal=causal, n_hashes=3, attend_across_buckets=across, shared_qk=True,
+                   n_buckets=n_buckets)
+    native = _lsh(q, q, v, km, 3, **options)
+    torch.testing.assert_close(native, _lsh(q, q, v, km, 3, reference=True, **options), atol=1e-10, rtol=1e-8)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -30,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -83,9 +84,13 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
     user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"attnzoo{user}"):
         target = folder / name  # (the temporary folder where the cache cannot be written)
-        if target.exists() or _build(cc, defines, target):
+        failure = None if target.exists() else _build(cc, defines, target)
+        if failure is None:
             break
-    else:
+    else:  # a compiler that fails is worth a word: the same results come, several times slower
+        warnings.warn(f"attnzoo: the native kernels ({real}, D={dk}, Dv={dv}) did not build with {cc} "
+                      f"({failure}); the eager engines run instead, slower. ATTNZOO_NATIVE=0 turns "
+                      f"the kernels off.", RuntimeWarning, stacklevel=2)
         return None
     try:
         lib = ctypes.CDLL(str(target))
@@ -112,8 +117,8 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
     return lib
 
 
-def _build(cc: str, defines: list[str], target: Path) -> bool:
-    """Compile the source into ``target``; whether it worked."""
+def _build(cc: str, defines: list[str], target: Path) -> str | None:
+    """Compile the source into ``target``: None where it worked, else why not (a line)."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then one atomic rename:
@@ -121,9 +126,12 @@ def _build(cc: str, defines: list[str], target: Path) -> bool:
             subprocess.run([cc, *_flags(), *defines, str(SOURCE), "-o", str(built), "-lm"],
                            check=True, capture_output=True, timeout=120)
             os.replace(built, target)
-        return True
-    except (OSError, subprocess.SubprocessError):
-        return False
+        return None
+    except subprocess.CalledProcessError as e:
+        said = e.stderr.decode(errors="replace").strip().splitlines()
+        return said[0] if said else f"exit status {e.returncode}"
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e) or type(e).__name__
 
 
 def _compiler() -> str | None:

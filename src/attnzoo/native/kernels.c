@@ -566,25 +566,26 @@ int lsh_order(const int64_t *buckets, int64_t rows, int64_t L, int64_t n_buckets
  * and queries share a bucket are computed, and, with one order and causal, none of the keys
  * after a query's own slot (the rest have no weight). */
 
-/* S[w][i] = K[w] . Qt[., i] for KT keys from w0 and the queries from <= i < to, whole tiles
- * of LANES (Qt: DK x MP, queries as columns; S rows MP apart): KT keys by a vector of queries
- * in registers. */
-#define KT 16
+/* S[w][i] = K[w] . Qt[., i] for KT keys from w0 and the queries from <= i < to, in tiles of QW
+ * from a multiple of QW (Qt: DK x MP, queries as columns; S rows MP apart): KT keys by QW
+ * queries in registers. */
+#define KT 8           /* keys a tile of the scores */
+#define QW (2 * LANES) /* queries a tile (KT x QW: 16 accumulators; 16 x 16 and 4 x 64 were slower) */
 static AI void keys_scores(const REAL *restrict K, int64_t w0, const REAL *restrict Qt, int64_t MP,
                            int64_t from, int64_t to, REAL *restrict S) {
-    for (int64_t i0 = from; i0 < to; i0 += LANES) {
-        REAL acc[KT][LANES];
+    for (int64_t i0 = from; i0 < to; i0 += QW) {
+        REAL acc[KT][QW];
         for (int j = 0; j < KT; j++)
-            for (int i = 0; i < LANES; i++) acc[j][i] = 0;
+            for (int i = 0; i < QW; i++) acc[j][i] = 0;
         for (int d = 0; d < DK; d++) {
             const REAL *restrict qd = Qt + d * MP + i0;
             for (int j = 0; j < KT; j++) {
                 const REAL kj = K[(w0 + j) * DK + d];
-                for (int i = 0; i < LANES; i++) acc[j][i] += kj * qd[i];
+                for (int i = 0; i < QW; i++) acc[j][i] += kj * qd[i];
             }
         }
         for (int j = 0; j < KT; j++)
-            for (int i = 0; i < LANES; i++) S[(w0 + j) * MP + i0 + i] = acc[j][i];
+            for (int i = 0; i < QW; i++) S[(w0 + j) * MP + i0 + i] = acc[j][i];
     }
 }
 
@@ -720,7 +721,7 @@ int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int
                 const int32_t *q_code, const int32_t *k_code, const uint8_t *key_ok, const REAL *k_scale, REAL *out,
                 int64_t n_heads, int64_t L, int64_t R, int64_t m, int flags, REAL scale2, REAL self2,
                 REAL floor_) {
-    const int64_t MP = (m + LANES - 1) / LANES * LANES, nc = (L + m - 1) / m;
+    const int64_t MP = (m + QW - 1) / QW * QW, nc = (L + m - 1) / m;
     Window b;
     REAL *den = malloc(sizeof(REAL) * L), *mx = malloc(sizeof(REAL) * L);
     int status = window_alloc(&b, m, MP, R) || !den || !mx ? -1 : 0;
@@ -772,7 +773,7 @@ int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int
                         for (q_to = q_from > q_to ? q_from : q_to; q_to < nq && b.qb[q_to] <= last;) q_to++;
                     }
                     const int64_t lo = w0 > own && w0 - own > q_from ? w0 - own : q_from; /* (causal) */
-                    keys_scores(b.K, w0, b.Qt, MP, lo & ~(int64_t)(LANES - 1), q_to, b.S);
+                    keys_scores(b.K, w0, b.Qt, MP, lo / QW * QW, q_to, b.S);
                 }
                 window_weights(&b, W, MP, nq, n_codes, flags, own, self2, floor_);
                 int64_t from = 0, to = flags & 4 ? W : 0; /* within buckets: their buckets' keys, a run */
