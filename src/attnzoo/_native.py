@@ -352,13 +352,13 @@ class _EfficientNative(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, self2, k_scale=None):
+def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, self2):
     """LSH attention's forward without gradients, every round in C: q, k (B, H, L, D), v (B, H, L, Dv)
     -> (B, H, L, Dv). ``hashed`` = (q_buckets, k_buckets, q_order, k_order), each (B, H, n_hashes, L)
     int64 (:func:`attnzoo.mechanisms.lsh._buckets_and_order`); ``codes`` = (q_code, k_code) of the
     rounds each pair met in, or None (keys met in several rounds then count once a round); scores
-    in base 2 (``scale2`` = scale·log2 e), ``self2`` off a query's own key where ``shared``;
-    ``k_scale`` (B, H, L) or None: each key's factor (1/‖q‖ for shared QK's keys q/‖q‖).
+    in base 2 (``scale2`` = scale·log2 e). ``shared``: the keys are k/‖k‖ (k is q; scaled as the
+    kernel gathers them, not written as a copy), ``self2`` off a query's own key.
     O(n_hashes·L·2m·(D + Dv)) time, O(m·(D + Dv)) memory a thread beside the output. None under
     autograd, or where the kernels cannot run (:func:`_kernels`)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -372,7 +372,9 @@ def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, sel
     q_code, k_code = (None, None) if codes is None else (
         c.to(torch.int32).reshape(B * H, R, L).contiguous() for c in codes)
     out, ok = fresh_empty(B, H, L, Dv, like=v), _key_ok(key_mask, B, H, L)
-    k_scale = None if k_scale is None else k_scale.reshape(B * H, L).contiguous()
+    k_scale = None  # (B·H, L): 1 / max(‖k‖, 1e-12), F.normalize's factors
+    if shared:
+        k_scale = torch.linalg.vector_norm(k, dim=-1).clamp_min_(1e-12).reciprocal_().reshape(B * H, L)
     flags, floor = int(causal) | 2 * int(shared) | 4 * int(across), _floor(q.dtype)
     _over_heads(B * H, lambda a, b: _checked(lib.lsh_forward(
         _at(q, a), _at(k, a), _at(v, a), q.stride(1), k.stride(1), v.stride(1),
@@ -401,7 +403,7 @@ def lsh_order(buckets: torch.Tensor, n_buckets: int) -> torch.Tensor | None:
     """``torch.sort(buckets, dim=-1, stable=True)[1]`` for int64 buckets (..., L) in [0, n_buckets),
     by a counting sort in C: O(L + n_buckets) a row. None where the kernels cannot run or a
     bucket is out of range."""
-    lib = _kernels(torch.empty(0), sizes=(1, 1))  # (float32's build: the sort needs no D, Dv or REAL)
+    lib = lsh_kernels(torch.empty(0))  # (float32's: the sort needs no REAL either)
     if lib is None or buckets.dtype != torch.int64 or buckets.device.type != "cpu":
         return None
     b = buckets.contiguous()

@@ -146,11 +146,6 @@ def _keys_of(q, k, opts):
     return F.normalize(q, dim=-1) if opts.shared_qk else k
 
 
-def _inverse_norms(q):
-    """1 / max(‖q‖, 1e-12) by row (B, H, L): the factors of F.normalize's keys q/‖q‖."""
-    return torch.linalg.vector_norm(q, dim=-1).clamp_min_(1e-12).reciprocal_()
-
-
 def _check_shared(q, k, opts):
     if opts.shared_qk and k is not q and not torch.equal(k, q):
         raise ValueError("lsh: shared_qk=True makes the keys q/‖q‖; pass k=q")
@@ -182,8 +177,7 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     if opts.count_duplicates and opts.n_hashes > 1:
         codes = _meeting_codes(*hashed, opts.bucket_size, opts)
     out = _native.lsh(q, k, v, hashed, codes, key_mask, causal, opts.shared_qk, opts.attend_across_buckets,
-                      opts.bucket_size, softmax_scale(q, scale) * LOG2E, SELF_PENALTY * LOG2E,
-                      k_scale=_inverse_norms(q) if opts.shared_qk else None)
+                      opts.bucket_size, softmax_scale(q, scale) * LOG2E, SELF_PENALTY * LOG2E)
     if out is not None:  # (without gradients: every round in C, the keys q/‖q‖ scaled as gathered)
         return out
     keys = _keys_of(q, k, opts)

@@ -612,7 +612,8 @@ static inline void merge_row(REAL *restrict out, REAL *restrict den, REAL *restr
                              REAL sum, REAL top, REAL floor_) {
     if (sum == 0) return; /* no key in reach this round */
     const REAL hi = top > *mx ? top : *mx;
-    const REAL a = exp_nonpositive((*mx - hi) * (REAL)M_LN2, floor_), b = exp_nonpositive((top - hi) * (REAL)M_LN2, floor_);
+    const REAL a = exp_nonpositive((*mx - hi) * (REAL)M_LN2, floor_);
+    const REAL b = exp_nonpositive((top - hi) * (REAL)M_LN2, floor_);
     for (int e = 0; e < DV; e++) out[e] = out[e] * a + o[e] * b;
     *den = *den * a + sum * b;
     *mx = hi;
@@ -624,6 +625,13 @@ typedef struct {
     REAL *Qt, *K, *V, *S, *top, *sum;
     int32_t *qp, *qb, *qc, *in, *kpos, *kb, *kok, *kc;
 } Window;
+
+#define N_BUFFERS 14
+static void window_buffers(const Window *b, void **all) {
+    void *each[N_BUFFERS] = {b->Qt, b->K, b->V, b->S, b->top, b->sum, b->qp, b->qb, b->qc, b->in,
+                             b->kpos, b->kb, b->kok, b->kc};
+    memcpy(all, each, sizeof(each));
+}
 
 static int window_alloc(Window *b, int64_t m, int64_t MP, int64_t R) {
     const int64_t W = b->rows = 2 * m + KT - 1, n_codes = R > 1 ? R - 1 : 1;
@@ -641,13 +649,17 @@ static int window_alloc(Window *b, int64_t m, int64_t MP, int64_t R) {
     b->kb = malloc(sizeof(int32_t) * W);
     b->kok = malloc(sizeof(int32_t) * W);
     b->kc = malloc(sizeof(int32_t) * n_codes * W);
-    return b->Qt && b->K && b->V && b->S && b->top && b->sum && b->qp && b->qb && b->qc && b->in && b->kpos && b->kb &&
-           b->kok && b->kc ? 0 : -1;
+    void *all[N_BUFFERS];
+    window_buffers(b, all);
+    for (int i = 0; i < N_BUFFERS; i++)
+        if (!all[i]) return -1;
+    return 0;
 }
 
 static void window_free(Window *b) {
-    void *all[] = {b->Qt, b->K, b->V, b->S, b->top, b->sum, b->qp, b->qb, b->qc, b->in, b->kpos, b->kb, b->kok, b->kc};
-    for (unsigned i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
+    void *all[N_BUFFERS];
+    window_buffers(b, all);
+    for (int i = 0; i < N_BUFFERS; i++) free(all[i]);
 }
 
 /* Prefetch the rows (width values each) at positions pos[0..n) of X: the next chunk's rows are
@@ -662,20 +674,35 @@ static void prefetch_rows(const REAL *X, const int64_t *pos, int64_t n, int64_t 
         }
 }
 
+/* Within buckets, the run of b[0..n) (ascending) whose buckets lie in [first, last], moved on
+ * from the last group's run [*from, *to): both ends only grow, as the groups' buckets do. */
+static inline void bucket_run(const int32_t *b, int64_t n, int32_t first, int32_t last, int64_t *from,
+                              int64_t *to) {
+    while (*from < n && b[*from] < first) ++*from;
+    for (*to = *from > *to ? *from : *to; *to < n && b[*to] <= last;) ++*to;
+}
+
 /* The window's second half (chunk c - 1's m keys, values and their facts) into its first. */
 static void window_shift(Window *b, int64_t m, int64_t n_codes) {
     memcpy(b->K, b->K + m * DK, sizeof(REAL) * m * DK);
     memcpy(b->V, b->V + m * DV, sizeof(REAL) * m * DV);
     int32_t *facts[] = {b->kpos, b->kb, b->kok};
     for (int f = 0; f < 3; f++) memcpy(facts[f], facts[f] + m, sizeof(int32_t) * m);
-    for (int64_t t = 0; t < n_codes; t++) memcpy(b->kc + t * b->rows, b->kc + t * b->rows + m, sizeof(int32_t) * m);
+    for (int64_t t = 0; t < n_codes; t++)
+        memcpy(b->kc + t * b->rows, b->kc + t * b->rows + m, sizeof(int32_t) * m);
 }
 
 /* Column i of S (W rows, MP apart) -> the weights 2^(s - top_i) of query i over the keys in
- * its reach (0 elsewhere), with top and the sums of the weights by query: every loop runs
- * along the queries, so that it vectorises. Key row w >= own (the chunk's own keys, with one
- * order, causal, within buckets; else own = W) is out of reach of the queries before w - own:
- * their columns there are skipped, by whole lanes (four_queries_values does not read them). */
+ * its reach (0 elsewhere, whatever S held there: scores not computed are out of reach), with
+ * top and the sums of the weights by query: every loop runs along the queries, so that it
+ * vectorises. Key row w >= own (the chunk's own keys, with one order, causal, within buckets;
+ * else own = W) is out of reach of the queries before w - own: their columns there are
+ * skipped, by whole lanes (four_queries_values does not read them). */
+/* The first query (by whole lanes) that key row w may be in reach of (see window_weights). */
+static inline int64_t first_query(int64_t w, int64_t own) {
+    return w >= own ? (w - own) & ~(int64_t)(LANES - 1) : 0;
+}
+
 static void window_weights(Window *b, int64_t W, int64_t MP, int64_t nq, int64_t n_codes, int flags,
                            int64_t own, REAL self2, REAL floor_) {
     const int causal = flags & 1, shared = flags >> 1 & 1, across = flags >> 2 & 1;
@@ -686,7 +713,7 @@ static void window_weights(Window *b, int64_t W, int64_t MP, int64_t nq, int64_t
         REAL *restrict s = b->S + w * MP;
         int32_t *restrict in = b->in;
         const int32_t kp = b->kpos[w], kb = b->kb[w], kok = b->kok[w];
-        const int64_t from = w >= own ? (w - own) & ~(int64_t)(LANES - 1) : 0;
+        const int64_t from = first_query(w, own);
         for (int64_t i = from; i < MP; i++)
             in[i] = kok & (i < nq) & (across | (qb[i] == kb)) & (!causal | (kp <= qp[i]));
         for (int64_t t = 0; t < n_codes; t++) { /* not met in an earlier round */
@@ -701,7 +728,7 @@ static void window_weights(Window *b, int64_t W, int64_t MP, int64_t nq, int64_t
     }
     for (int64_t w = 0; w < W; w++) {
         REAL *restrict s = b->S + w * MP;
-        for (int64_t i = w >= own ? (w - own) & ~(int64_t)(LANES - 1) : 0; i < MP; i++) {
+        for (int64_t i = first_query(w, own); i < MP; i++) {
             const REAL p = s[i] == -INFINITY ? 0 : exp_nonpositive((s[i] - top[i]) * (REAL)M_LN2, floor_);
             s[i] = p;
             sum[i] += p;
@@ -713,13 +740,13 @@ static void window_weights(Window *b, int64_t W, int64_t MP, int64_t nq, int64_t
  * q_order, k_order (n_heads, R, L): each round's positions sorted by (bucket, position);
  * q_bucket, k_bucket (n_heads, R, L): each position's bucket; q_code, k_code (n_heads, R, L)
  * or null; key_ok (n_heads, L) or null; k_scale (n_heads, L) or null: each key row's factor
- * (shared QK: 1 / its norm, so that the keys need not be written normalised). flags: 1 causal, 2 shared QK (self2 off the query's own
- * key), 4 across buckets. Writes out (n_heads, L, DV). Returns 0, or -1 without memory for
- * the window's buffers. */
+ * (shared QK: 1 / its norm, so that the keys need not be written normalised). flags: 1 causal,
+ * 2 shared QK (self2 off the query's own key), 4 across buckets. Writes out (n_heads, L, DV).
+ * Returns 0, or -1 without memory for the window's buffers. */
 int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int64_t k_head, int64_t v_head,
                 const int64_t *q_order, const int64_t *k_order, const int64_t *q_bucket, const int64_t *k_bucket,
-                const int32_t *q_code, const int32_t *k_code, const uint8_t *key_ok, const REAL *k_scale, REAL *out,
-                int64_t n_heads, int64_t L, int64_t R, int64_t m, int flags, REAL scale2, REAL self2,
+                const int32_t *q_code, const int32_t *k_code, const uint8_t *key_ok, const REAL *k_scale,
+                REAL *out, int64_t n_heads, int64_t L, int64_t R, int64_t m, int flags, REAL scale2, REAL self2,
                 REAL floor_) {
     const int64_t MP = (m + QW - 1) / QW * QW, nc = (L + m - 1) / m;
     Window b;
@@ -768,9 +795,8 @@ int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int
                 int64_t q_from = 0, q_to = flags & 4 ? MP : 0; /* within buckets: the keys' buckets' queries */
                 for (int64_t w0 = 0; w0 < W; w0 += KT) {
                     if (!(flags & 4)) {
-                        const int32_t first = b.kb[w0], last = b.kb[w0 + KT - 1 < W ? w0 + KT - 1 : W - 1];
-                        while (q_from < nq && b.qb[q_from] < first) q_from++; /* (buckets ascend: both grow) */
-                        for (q_to = q_from > q_to ? q_from : q_to; q_to < nq && b.qb[q_to] <= last;) q_to++;
+                        const int64_t last = w0 + KT - 1 < W ? w0 + KT - 1 : W - 1;
+                        bucket_run(b.qb, nq, b.kb[w0], b.kb[last], &q_from, &q_to);
                     }
                     const int64_t lo = w0 > own && w0 - own > q_from ? w0 - own : q_from; /* (causal) */
                     keys_scores(b.K, w0, b.Qt, MP, lo / QW * QW, q_to, b.S);
@@ -779,11 +805,8 @@ int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int
                 int64_t from = 0, to = flags & 4 ? W : 0; /* within buckets: their buckets' keys, a run */
                 for (int64_t i0 = 0; i0 < nq; i0 += 4) {
                     REAL o[4][DV];
-                    if (!(flags & 4)) {
-                        const int32_t first = b.qb[i0], last = b.qb[i0 + 3 < nq ? i0 + 3 : nq - 1];
-                        while (from < W && b.kb[from] < first) from++; /* (buckets ascend: both only grow) */
-                        for (to = from > to ? from : to; to < W && b.kb[to] <= last;) to++;
-                    }
+                    if (!(flags & 4)) bucket_run(b.kb, W, b.qb[i0], b.qb[i0 + 3 < nq ? i0 + 3 : nq - 1], &from,
+                                                 &to);
                     four_queries_values(b.S, MP, i0, from, own + i0 + 4 < to ? own + i0 + 4 : to, b.V, o);
                     for (int j = 0; j < 4 && i0 + j < nq; j++)
                         merge_row(O + b.qp[i0 + j] * DV, den + b.qp[i0 + j], mx + b.qp[i0 + j], o[j],
