@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from attnzoo._pages import fresh_empty, fresh_like
+from attnzoo._pages import Scratch, fresh_empty, fresh_like
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -160,16 +160,19 @@ class FewQueries(torch.autograd.Function):
         dq = torch.zeros_like(q)
         dk, dv = (fresh_empty(*t.shape, like=t, stride=torch.empty_like(t, device="meta").stride())
                   for t in (k, v))
+        scratch = Scratch(q)
         for j in range(0, k.shape[2], KEY_BLOCK):
             keys = slice(j, j + KEY_BLOCK)
             k_b, v_b = k[:, :, keys], v[:, :, keys]  # (B, H, n, D), (B, H, n, Dv)
-            p = exp_(torch.matmul(qs, k_b.transpose(-1, -2)).sub_(lse.unsqueeze(-1)))  # (B, H, m, n)
+            scores = (*q.shape[:3], k_b.shape[2])  # (B, H, m, n)
+            p = torch.matmul(qs, k_b.transpose(-1, -2), out=scratch("p", scores))
+            p = exp_(p.sub_(lse.unsqueeze(-1)))
             if valid is not None:  # (a row with no valid key: lse = -inf, p = inf, all filled)
                 p.masked_fill_(~valid[..., keys], 0.0)
-            dv[:, :, keys] = p.transpose(-1, -2) @ g
-            ds = torch.matmul(g, v_b.transpose(-1, -2)).sub_(row).mul_(p)  # (B, H, m, n)
-            dq.add_(ds @ k_b)
-            dk[:, :, keys] = ds.transpose(-1, -2) @ qs
+            dv[:, :, keys] = torch.matmul(p.transpose(-1, -2), g, out=scratch("dv", v_b.shape))
+            ds = torch.matmul(g, v_b.transpose(-1, -2), out=scratch("ds", scores)).sub_(row).mul_(p)
+            dq.add_(torch.matmul(ds, k_b, out=scratch("dq", q.shape)))
+            dk[:, :, keys] = torch.matmul(ds.transpose(-1, -2), qs, out=scratch("dk", k_b.shape))
         return dq.mul_(ctx.scale), dk, dv, None, None
 
 
