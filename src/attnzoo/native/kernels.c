@@ -63,26 +63,56 @@ static inline __attribute__((always_inline)) void two_features(
     for (int d = DK; d < DKP; d++) fa[d] = fb[d] = 0;
 }
 
-/* The sum and the largest of a vector's lanes, in halves (a chain of LANES scalar steps
- * would hold up each row). */
-static inline REAL lanes_sum(REAL *restrict l) {
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) l[j] += l[j + w];
-    return l[0];
+/* A vector's worth of lanes, and its halves: partial sums and maxima that the compiler keeps in
+ * vector registers, folded in halves at the end (a loop over an array of lanes went through
+ * memory, one scalar step a lane). */
+typedef REAL lanes_v __attribute__((vector_size(LANES * sizeof(REAL))));
+typedef REAL lanes_8 __attribute__((vector_size(8 * sizeof(REAL))));
+typedef REAL lanes_4 __attribute__((vector_size(4 * sizeof(REAL))));
+typedef REAL lanes_2 __attribute__((vector_size(2 * sizeof(REAL))));
+
+static inline lanes_v lanes_at(const REAL *x) {
+    lanes_v v;
+    memcpy(&v, x, sizeof v);
+    return v;
 }
 
-static inline REAL lanes_max(REAL *restrict l) {
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) l[j] = l[j + w] > l[j] ? l[j + w] : l[j];
-    return l[0];
+#define HALVES(type, from, lo, hi) \
+    type lo, hi;                    \
+    memcpy(&lo, &from, sizeof lo);  \
+    memcpy(&hi, (const REAL *)&from + sizeof lo / sizeof(REAL), sizeof hi)
+/* a = max(a, b) lane by lane (by a mask: the ternary operator takes no vectors in C) */
+#define MAX_INTO(a, b, n)                                                           \
+    do {                                                                            \
+        const __typeof__(a > b) take_b = b > a;                                     \
+        a = (__typeof__(a))(((__typeof__(take_b))b & take_b) | ((__typeof__(take_b))a & ~take_b)); \
+    } while (0)
+
+static inline REAL lanes_sum(const lanes_v *v) {
+    HALVES(lanes_8, *v, a, b);
+    a += b;
+    HALVES(lanes_4, a, c, d);
+    c += d;
+    HALVES(lanes_2, c, e, f);
+    e += f;
+    return e[0] + e[1];
+}
+
+static inline REAL lanes_max(const lanes_v *v) {
+    HALVES(lanes_8, *v, a, b);
+    MAX_INTO(a, b, 8);
+    HALVES(lanes_4, a, c, d);
+    MAX_INTO(c, d, 4);
+    HALVES(lanes_2, c, e, f);
+    MAX_INTO(e, f, 2);
+    return e[1] > e[0] ? e[1] : e[0];
 }
 
 /* init + a . b over DKP values (zero past DK), summed lane by lane (so that it vectorises). */
 static inline REAL dot_lanes(const REAL *restrict a, const REAL *restrict b, REAL init) {
-    REAL l[LANES] = {0};
-    for (int d0 = 0; d0 < DKP; d0 += LANES)
-        for (int j = 0; j < LANES; j++) l[j] += a[d0 + j] * b[d0 + j];
-    return init + lanes_sum(l);
+    lanes_v l = {0};
+    for (int d0 = 0; d0 < DKP; d0 += LANES) l += lanes_at(a + d0) * lanes_at(b + d0);
+    return init + lanes_sum(&l);
 }
 
 /* Steps a and b (b right after a) from the state (S, z) in place: their outputs into oa, ob.
@@ -174,6 +204,15 @@ static AI void four_rows(const REAL *X, int64_t t, int64_t L, REAL (*restrict x)
     }
 }
 
+/* The four rows of X from t, read only: X's own (4, DV) block where all four are in it, else
+ * their copy into buf (four_rows). */
+typedef REAL row_dv[DV];
+static AI const row_dv *four_rows_at(const REAL *X, int64_t t, int64_t L, row_dv *buf) {
+    if (t + 4 <= L) return (const row_dv *)(X + t * DV);
+    four_rows(X, t, L, buf);
+    return buf;
+}
+
 /* out[r] = a[r]^T M for four rows: M (DK x DV), one pass through it. */
 static AI void times(REAL (*restrict a)[DKP], const REAL *restrict M, REAL (*restrict out)[DV]) {
     for (int e = 0; e < DV; e++) out[0][e] = out[1][e] = out[2][e] = out[3][e] = 0;
@@ -191,7 +230,7 @@ static AI void times(REAL (*restrict a)[DKP], const REAL *restrict M, REAL (*res
 }
 
 /* out[r] += M w[r] for four rows, from Mt = M^T (DV x DK), one pass through it. */
-static AI void times_t(REAL (*restrict w)[DV], const REAL *restrict Mt, REAL (*restrict out)[DKP]) {
+static AI void times_t(const row_dv *restrict w, const REAL *restrict Mt, REAL (*restrict out)[DKP]) {
     for (int e = 0; e < DV; e++) {
         const REAL *restrict Mte = Mt + e * DK;
         const REAL w0 = w[0][e], w1 = w[1][e], w2 = w[2][e], w3 = w[3][e];
@@ -204,17 +243,20 @@ static AI void times_t(REAL (*restrict w)[DV], const REAL *restrict Mt, REAL (*r
     }
 }
 
-/* M += sum_r a[r] b[r]^T and m += sum_r a[r] c[r] (c null: m untouched), one pass through M,
- * each element by one chain of four multiply-adds (paired sums took two more operations:
- * the keys' pass 18 % slower). */
-static AI void add_outer(REAL *restrict M, REAL *restrict m, REAL (*restrict a)[DKP], REAL (*restrict b)[DV],
-                         const REAL *restrict c) {
+/* M += sum_r a[r] b[r]^T, one pass through M, each element by one chain of four multiply-adds
+ * (paired sums took two more operations: the keys' pass 18 % slower). */
+static AI void add_outer(REAL *restrict M, REAL (*restrict a)[DKP], const row_dv *restrict b) {
     for (int d = 0; d < DK; d++) {
         REAL *restrict Md = M + d * DV;
         const REAL a0 = a[0][d], a1 = a[1][d], a2 = a[2][d], a3 = a[3][d];
-        if (m) m[d] += (a0 * c[0] + a1 * c[1]) + (a2 * c[2] + a3 * c[3]);
         for (int e = 0; e < DV; e++) Md[e] = Md[e] + a0 * b[0][e] + a1 * b[1][e] + a2 * b[2][e] + a3 * b[3][e];
     }
+}
+
+/* m += sum_r a[r] c[r], in a pass of its own (within add_outer's, its scalar steps held up the
+ * multiply-adds and took their broadcasts: efficient's keys 15 % slower). */
+static AI void add_weighted(REAL *restrict m, REAL (*restrict a)[DKP], const REAL *restrict c) {
+    for (int d = 0; d < DK; d++) m[d] += (a[0][d] * c[0] + a[1][d] * c[1]) + (a[2][d] * c[2] + a[3][d] * c[3]);
 }
 
 /* The features of four rows of X (DK values each) from t: phi, 0 where a row takes no part. */
@@ -245,10 +287,10 @@ void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_
         for (int i = 0; i < DK * DV; i++) Sh[i] = 0;
         for (int d = 0; d < DK; d++) zh[d] = 0;
         for (int64_t t = 0; t < L; t += 4) {
-            REAL f[4][DKP], vr[4][DV];
+            REAL f[4][DKP], buf[4][DV];
             four_features(k + h * k_head, ok, t, L, f, floor_);
-            four_rows(v + h * v_head, t, L, vr);
-            add_outer(Sh, zh, f, vr, ONES);
+            add_outer(Sh, f, four_rows_at(v + h * v_head, t, L, buf));
+            add_weighted(zh, f, ONES);
         }
     }
 }
@@ -301,9 +343,10 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
                 const REAL inv = t + r < L ? 1 / den[r] : 0; /* (past the end f = 0: den may be 0) */
                 for (int e = 0; e < DV; e++) gn[r][e] *= inv;
             }
-            times_t(gn, St, df); /* df = S gn */
+            times_t((const row_dv *)gn, St, df); /* df = S gn */
             for (int r = 0; r < 4; r++) gden[r] = t + r < L ? -dot_lanes(f[r], df[r], 0) / den[r] : 0;
-            add_outer(dSh, dzh, f, gn, gden);
+            add_outer(dSh, f, (const row_dv *)gn);
+            add_weighted(dzh, f, gden);
             for (int r = 0; r < 4 && t + r < L; r++)
                 for (int d = 0; d < DK; d++)
                     DQ[(t + r) * DK + d] = (df[r][d] + gden[r] * zh[d]) * phi_slope(f[r][d]);
@@ -319,9 +362,9 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
 static AI void keys_grad_rows(const REAL *V, int64_t t, int64_t L, const int *part, REAL (*restrict w)[DKP],
                               const REAL *restrict dS, const REAL *restrict dSt, const REAL *restrict dz,
                               int exp_weights, REAL *DK_, REAL *DV_) {
-    REAL vr[4][DV], o[4][DV], dw[4][DKP];
+    REAL buf[4][DV], o[4][DV], dw[4][DKP];
     times(w, dS, o); /* dv = dS^T w */
-    four_rows(V, t, L, vr);
+    const row_dv *vr = four_rows_at(V, t, L, buf);
     for (int r = 0; r < 4; r++)
         for (int d = 0; d < DK; d++) dw[r][d] = dz[d];
     times_t(vr, dSt, dw); /* dS v + dz */
@@ -379,19 +422,20 @@ void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t
         const REAL *K = k + h * k_head;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
         REAL *Gh = G + h * DK * DV, *zh = z + h * DK, *ch = c + h * DK;
-        for (int d = 0; d < DK; d++) ch[d] = -INFINITY;
+        REAL top[DK]; /* (a local array, kept in registers: ch[] was stored row by row) */
+        for (int d = 0; d < DK; d++) top[d] = -INFINITY;
         for (int64_t t = 0; t < L; t++)
             if (!ok || ok[t])
-                for (int d = 0; d < DK; d++) ch[d] = K[t * DK + d] > ch[d] ? K[t * DK + d] : ch[d];
-        for (int d = 0; d < DK; d++) ch[d] = isfinite(ch[d]) ? ch[d] : 0;
+                for (int d = 0; d < DK; d++) top[d] = K[t * DK + d] > top[d] ? K[t * DK + d] : top[d];
+        for (int d = 0; d < DK; d++) ch[d] = isfinite(top[d]) ? top[d] : 0;
         for (int i = 0; i < DK * DV; i++) Gh[i] = 0;
         for (int d = 0; d < DK; d++) zh[d] = 0;
         for (int64_t t = 0; t < L; t += 4) {
-            REAL E[4][DKP], vr[4][DV];
+            REAL E[4][DKP], buf[4][DV];
             int part[4];
             four_weights(K, ok, t, L, ch, E, part, floor_);
-            four_rows(v + h * v_head, t, L, vr);
-            add_outer(Gh, zh, E, vr, ONES);
+            add_outer(Gh, E, four_rows_at(v + h * v_head, t, L, buf));
+            add_weighted(zh, E, ONES);
         }
         for (int d = 0; d < DK; d++) {
             const REAL inv = 1 / (zh[d] > tiny ? zh[d] : tiny);
@@ -400,19 +444,30 @@ void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t
     }
 }
 
+/* A query row's exponentials over its features, exp(x - max x), into p (zero past DK); returns
+ * 1 / their sum. */
+static inline REAL row_exps(const REAL *restrict x, REAL *restrict p, REAL floor_) {
+#if DK % LANES
+    REAL xp[DKP]; /* (padded with x[0]: no new max) */
+    for (int d = 0; d < DKP; d++) xp[d] = x[d < DK ? d : 0];
+#else
+    const REAL *restrict xp = x;
+#endif
+    lanes_v top = lanes_at(xp), sum = {0};
+    for (int d0 = LANES; d0 < DKP; d0 += LANES) {
+        const lanes_v c = lanes_at(xp + d0);
+        MAX_INTO(top, c, LANES);
+    }
+    const REAL m = lanes_max(&top);
+    for (int d = 0; d < DK; d++) p[d] = exp_nonpositive(x[d] - m, floor_);
+    for (int d = DK; d < DKP; d++) p[d] = 0;
+    for (int d0 = 0; d0 < DKP; d0 += LANES) sum += lanes_at(p + d0);
+    return 1 / lanes_sum(&sum);
+}
+
 /* A query row's softmax over its features into p (zero past DK). */
 static inline void row_softmax(const REAL *restrict x, REAL *restrict p, REAL floor_) {
-    REAL xp[DKP], lane[LANES], top, sum[LANES] = {0}; /* max and sum lane by lane */
-    for (int d = 0; d < DKP; d++) xp[d] = x[d < DK ? d : 0]; /* (padded with x[0]: no new max) */
-    for (int j = 0; j < LANES; j++) lane[j] = xp[j];
-    for (int d0 = LANES; d0 < DKP; d0 += LANES)
-        for (int j = 0; j < LANES; j++) lane[j] = xp[d0 + j] > lane[j] ? xp[d0 + j] : lane[j];
-    top = lanes_max(lane);
-    for (int d = 0; d < DK; d++) p[d] = exp_nonpositive(x[d] - top, floor_);
-    for (int d = DK; d < DKP; d++) p[d] = 0;
-    for (int d0 = 0; d0 < DKP; d0 += LANES)
-        for (int j = 0; j < LANES; j++) sum[j] += p[d0 + j];
-    const REAL inv = 1 / lanes_sum(sum);
+    const REAL inv = row_exps(x, p, floor_);
     for (int d = 0; d < DK; d++) p[d] *= inv;
 }
 
@@ -423,10 +478,11 @@ void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, 
         REAL *O = out + h * L * DV;
         for (int64_t t = 0; t < L; t += 4) {
             REAL p[4][DKP], n[4][DV];
-            for (int r = 0; r < 4; r++) row_softmax(ROW(q + h * q_head, t, r, L, DK), p[r], floor_);
+            REAL inv[4]; /* (the softmax's normaliser, applied to the product: off its path) */
+            for (int r = 0; r < 4; r++) inv[r] = row_exps(ROW(q + h * q_head, t, r, L, DK), p[r], floor_);
             times(p, G + h * DK * DV, n);
             for (int r = 0; r < 4 && t + r < L; r++)
-                for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e];
+                for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e] * inv[r];
         }
     }
 }
@@ -442,11 +498,11 @@ int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t
         transpose(G + h * DK * DV, Gt, DK, DV);
         for (int i = 0; i < DK * DV; i++) dGh[i] = 0;
         for (int64_t t = 0; t < L; t += 4) {
-            REAL p[4][DKP], dp[4][DKP] = {{0}}, gr[4][DV];
+            REAL p[4][DKP], dp[4][DKP] = {{0}}, buf[4][DV];
             for (int r = 0; r < 4; r++) row_softmax(ROW(q + h * q_head, t, r, L, DK), p[r], floor_);
-            four_rows(g + h * g_head, t, L, gr); /* (a row past the end: g = 0) */
+            const row_dv *gr = four_rows_at(g + h * g_head, t, L, buf); /* (a row past the end: g = 0) */
             times_t(gr, Gt, dp); /* dp = G g */
-            add_outer(dGh, 0, p, gr, 0);
+            add_outer(dGh, p, gr);
             for (int r = 0; r < 4 && t + r < L; r++) {
                 const REAL pdp = dot_lanes(p[r], dp[r], 0);
                 for (int d = 0; d < DK; d++) DQ[(t + r) * DK + d] = p[r][d] * (dp[r][d] - pdp);
