@@ -188,6 +188,23 @@ def test_native_efficient_matches_eager_and_reference(B, H, Lq, Lk, D, Dv, maske
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-4), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("D", [64, 17])
+def test_native_efficient_shifts_by_the_true_maxima(monkeypatch, dtype, atol, D):
+    """Scores of several hundred: exp overflows unless each query row is shifted by its own
+    maximum and each key feature by its maximum over the keys (a shift any smaller, such as a
+    lane's or a half's maximum, gives inf or nan). D = 64 fills whole vectors of lanes, 17 not."""
+    calls = []
+    monkeypatch.setattr(_native, "efficient", _spy(_native.efficient, "efficient", calls))
+    q, k, v, km = random_inputs(B=2, H=3, Lq=33, Lk=29, D=D, Dv=8, masked=True, seed=5)
+    q, k = q * 300, k * 300
+    with torch.no_grad():
+        native = attnzoo.attention(q.to(dtype), k.to(dtype), v.to(dtype), mechanism="efficient", key_mask=km)
+    ref = attnzoo.attention(q, k, v, mechanism="efficient", key_mask=km, reference=True)
+    torch.testing.assert_close(native.double(), ref, atol=atol, rtol=0)
+    assert calls and all(ran for _, ran in calls), calls
+
+
 def test_native_efficient_runs_float32_and_gradcheck(monkeypatch):
     calls = []
     monkeypatch.setattr(_native, "efficient", _spy(_native.efficient, "efficient", calls))

@@ -71,20 +71,14 @@ typedef REAL lanes_8 __attribute__((vector_size(8 * sizeof(REAL))));
 typedef REAL lanes_4 __attribute__((vector_size(4 * sizeof(REAL))));
 typedef REAL lanes_2 __attribute__((vector_size(2 * sizeof(REAL))));
 
-static inline lanes_v lanes_at(const REAL *x) {
-    lanes_v v;
-    memcpy(&v, x, sizeof v);
-    return v;
-}
-
 #define HALVES(type, from, lo, hi) \
     type lo, hi;                    \
     memcpy(&lo, &from, sizeof lo);  \
     memcpy(&hi, (const REAL *)&from + sizeof lo / sizeof(REAL), sizeof hi)
 /* a = max(a, b) lane by lane (by a mask: the ternary operator takes no vectors in C) */
-#define MAX_INTO(a, b, n)                                                           \
-    do {                                                                            \
-        const __typeof__(a > b) take_b = b > a;                                     \
+#define MAX_INTO(a, b)                                                                             \
+    do {                                                                                           \
+        const __typeof__(a > b) take_b = b > a;                                                    \
         a = (__typeof__(a))(((__typeof__(take_b))b & take_b) | ((__typeof__(take_b))a & ~take_b)); \
     } while (0)
 
@@ -100,18 +94,22 @@ static inline REAL lanes_sum(const lanes_v *v) {
 
 static inline REAL lanes_max(const lanes_v *v) {
     HALVES(lanes_8, *v, a, b);
-    MAX_INTO(a, b, 8);
+    MAX_INTO(a, b);
     HALVES(lanes_4, a, c, d);
-    MAX_INTO(c, d, 4);
+    MAX_INTO(c, d);
     HALVES(lanes_2, c, e, f);
-    MAX_INTO(e, f, 2);
+    MAX_INTO(e, f);
     return e[1] > e[0] ? e[1] : e[0];
 }
 
 /* init + a . b over DKP values (zero past DK), summed lane by lane (so that it vectorises). */
 static inline REAL dot_lanes(const REAL *restrict a, const REAL *restrict b, REAL init) {
-    lanes_v l = {0};
-    for (int d0 = 0; d0 < DKP; d0 += LANES) l += lanes_at(a + d0) * lanes_at(b + d0);
+    lanes_v l = {0}, x, y;
+    for (int d0 = 0; d0 < DKP; d0 += LANES) {
+        memcpy(&x, a + d0, sizeof x);
+        memcpy(&y, b + d0, sizeof y);
+        l += x * y;
+    }
     return init + lanes_sum(&l);
 }
 
@@ -453,15 +451,19 @@ static inline REAL row_exps(const REAL *restrict x, REAL *restrict p, REAL floor
 #else
     const REAL *restrict xp = x;
 #endif
-    lanes_v top = lanes_at(xp), sum = {0};
+    lanes_v top, c, sum = {0};
+    memcpy(&top, xp, sizeof top);
     for (int d0 = LANES; d0 < DKP; d0 += LANES) {
-        const lanes_v c = lanes_at(xp + d0);
-        MAX_INTO(top, c, LANES);
+        memcpy(&c, xp + d0, sizeof c);
+        MAX_INTO(top, c);
     }
     const REAL m = lanes_max(&top);
     for (int d = 0; d < DK; d++) p[d] = exp_nonpositive(x[d] - m, floor_);
     for (int d = DK; d < DKP; d++) p[d] = 0;
-    for (int d0 = 0; d0 < DKP; d0 += LANES) sum += lanes_at(p + d0);
+    for (int d0 = 0; d0 < DKP; d0 += LANES) {
+        memcpy(&c, p + d0, sizeof c);
+        sum += c;
+    }
     return 1 / lanes_sum(&sum);
 }
 
