@@ -136,9 +136,12 @@ class FewQueries(torch.autograd.Function):
     dS = P ⊙ (g V_bᵀ − Σ_v g ⊙ O), dQ += s dS K_b, dK_b = s dSᵀ Q. dK and dV are written
     block by block, once, into :func:`~attnzoo._pages.fresh_empty` memory laid out as K and V;
     SDPA's own backward zero-fills both first (at Lk = 16384 in a layer, two 32 MiB tensors
-    faulted in) and accumulates into them. A query that sees no key gets 0 and no gradient.
-    Needs :func:`fused_kernel_fits`. Measured for 256 queries, 8 heads, Lk = 16384: fwd+bwd
-    227-245 ms against SDPA's 252-258; equal at Lk = 4096. For 50 queries with a causal mask
+    faulted in) and accumulates into them. Each block's products go into buffers that the
+    blocks reuse (:class:`~attnzoo._pages.Scratch`): fresh (B, H, m, 512) tensors were faulted
+    in afresh, block after block, in a layer's training step (backward at Lk = 16384 155 ms,
+    120 in buffers). A query that sees no key gets 0 and no gradient.
+    Needs :func:`fused_kernel_fits`. Measured for 256 queries, 8 heads, Lk = 16384, before the
+    buffers: fwd+bwd 227-245 ms against SDPA's 252-258; equal at Lk = 4096. For 50 queries with a causal mask
     (prob_sparse's active ones): 55 ms against 92, with 1k page faults against 33k."""
 
     @staticmethod
