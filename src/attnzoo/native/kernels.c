@@ -139,11 +139,10 @@ static inline __attribute__((always_inline)) void two_steps(
 #if DK % LANES
     for (int d = 0; d < DK; d++) z[d] = zp[d];
 #endif
-    REAL dena = eps, denb = eps;
-    for (int j = 0; j < LANES; j++) {
-        dena += la[j];
-        denb += lb[j];
-    }
+    lanes_v sa, sb; /* (folded in halves in vector registers: a chain of LANES steps held up each pair) */
+    memcpy(&sa, la, sizeof sa);
+    memcpy(&sb, lb, sizeof sb);
+    const REAL dena = eps + lanes_sum(&sa), denb = eps + lanes_sum(&sb);
     for (int e = 0; e < DV; e++) na[e] = nb[e] = 0;
     for (int d = 0; d < DK; d++) { /* one pass through S for both steps */
         REAL *restrict Sd = S + d * DV;
