@@ -749,17 +749,17 @@ static void window_shift(Window *b, int64_t m, int64_t n_codes) {
         memcpy(b->kc + t * b->rows, b->kc + t * b->rows + m, sizeof(int32_t) * m);
 }
 
+/* The first query (by whole lanes) that key row w may be in reach of (see window_weights). */
+static inline int64_t first_query(int64_t w, int64_t own) {
+    return w >= own ? (w - own) & ~(int64_t)(LANES - 1) : 0;
+}
+
 /* Column i of S (W rows, MP apart) -> the weights 2^(s - top_i) of query i over the keys in
  * its reach (0 elsewhere, whatever S held there: scores not computed are out of reach), with
  * top and the sums of the weights by query: every loop runs along the queries, so that it
  * vectorises. Key row w >= own (the chunk's own keys, with one order, causal, within buckets;
  * else own = W) is out of reach of the queries before w - own: their columns there are
  * skipped, by whole lanes (four_queries_values does not read them). */
-/* The first query (by whole lanes) that key row w may be in reach of (see window_weights). */
-static inline int64_t first_query(int64_t w, int64_t own) {
-    return w >= own ? (w - own) & ~(int64_t)(LANES - 1) : 0;
-}
-
 static void window_weights(Window *b, int64_t W, int64_t MP, int64_t nq, int64_t n_codes, int flags,
                            int64_t own, REAL self2, REAL floor_) {
     const int causal = flags & 1, shared = flags >> 1 & 1, across = flags >> 2 & 1;
