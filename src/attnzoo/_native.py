@@ -135,7 +135,13 @@ def _build(cc: str, defines: list[str], target: Path) -> str | None:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
+    return _which(os.environ.get("CC", "cc"))
+
+
+@cache
+def _which(name: str) -> str | None:
+    """``shutil.which``, once a name: its search of PATH took ~45 µs, on every kernel call."""
+    return shutil.which(name)
 
 
 @cache
@@ -173,13 +179,17 @@ def _key_ok(key_mask, B, H, L):
 
 
 def _over_heads(n: int, run) -> None:
-    """``run(a, b)`` for the heads a..b−1 of n, in parts over torch's intra-op threads."""
+    """``run(a, b)`` for the heads a..b−1 of n, in parts over torch's intra-op threads: the first
+    part on the calling thread (ctypes lets the GIL go), the others in the pool (a call handed
+    to two pool threads and waited for cost ~85 µs of wake-ups, one handed on ~40)."""
     threads = max(1, min(torch.get_num_threads(), n))
-    if threads == 1:
-        return run(0, n)
     bounds = [n * i // threads for i in range(threads + 1)]
-    for job in [_pool().submit(run, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]:
-        job.result()
+    jobs = [_pool().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+    try:
+        run(bounds[0], bounds[1])
+    finally:
+        for job in jobs:
+            job.result()
 
 
 def _floor(dtype: torch.dtype) -> float:
