@@ -427,9 +427,13 @@ void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t
         for (int d = 0; d < DK; d++) ch[d] = isfinite(top[d]) ? top[d] : 0;
         for (int i = 0; i < DK * DV; i++) Gh[i] = 0;
         for (int d = 0; d < DK; d++) zh[d] = 0;
+        const char *next = h + 1 < n_heads ? (const char *)(K + k_head) : 0; /* the next head's keys */
         for (int64_t t = 0; t < L; t += 4) {
             REAL E[4][DKP], buf[4][DV];
             int part[4];
+            if (next && t + 4 <= L) /* into L2 while this head computes: its max pass then reads no DRAM */
+                for (int64_t at = 0; at < 4 * DK * (int64_t)sizeof(REAL); at += 64)
+                    __builtin_prefetch(next + t * DK * (int64_t)sizeof(REAL) + at, 0, 2);
             four_weights(K, ok, t, L, ch, E, part, floor_);
             add_outer(Gh, E, four_rows_at(v + h * v_head, t, L, buf));
             add_weighted(zh, E, ONES);
