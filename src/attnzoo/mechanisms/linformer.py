@@ -127,11 +127,11 @@ class LinformerLayerOptions:
             keep = key_mask[:, None, :].to(memory.dtype)  # (B, 1, Lk)
             E, F_ = E * keep, (None if F_ is E else F_ * keep)  # (B, proj_len, Lk)
         row_maps = [E] if F_ is None or F_ is E else [E, F_]
-        ones = [P.sum(-1, keepdim=True) for P in row_maps]  # P 1, before the maps: see _linear_of_rows
+        row_sums = [P.sum(-1, keepdim=True) for P in row_maps]  # P 1, before P X: see _linear_of_rows
         fused = memory is x and torch.is_grad_enabled()
         q, *PX = _project(x, [layer.q_proj], row_maps) if fused else (None, *_project(memory, [], row_maps))
         k, v = (layer._split(_linear_of_rows(P1, PX_, proj)) for P1, PX_, proj in
-                ((ones[0], PX[0], layer.k_proj), (ones[-1], PX[-1], layer.v_proj)))
+                ((row_sums[0], PX[0], layer.k_proj), (row_sums[-1], PX[-1], layer.v_proj)))
         if fused:
             return layer._merge(attention(layer._split(q), k, v, mechanism="full"))
         return layer.in_query_blocks(x, lambda rows: attention(
