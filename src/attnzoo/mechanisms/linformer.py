@@ -127,24 +127,20 @@ class LinformerLayerOptions:
             keep = key_mask[:, None, :].to(memory.dtype)  # (B, 1, Lk)
             E, F_ = E * keep, (None if F_ is E else F_ * keep)  # (B, proj_len, Lk)
         row_maps = [E] if F_ is None or F_ is E else [E, F_]
-        row_sums = [P.sum(-1, keepdim=True) for P in row_maps]  # P 1, before P X: see _linear_of_rows
         fused = memory is x and torch.is_grad_enabled()
         q, *PX = _project(x, [layer.q_proj], row_maps) if fused else (None, *_project(memory, [], row_maps))
-        k, v = (layer._split(_linear_of_rows(P1, PX_, proj)) for P1, PX_, proj in
-                ((row_sums[0], PX[0], layer.k_proj), (row_sums[-1], PX[-1], layer.v_proj)))
+        k, v = (layer._split(_linear_of_rows(P, PX_, proj)) for P, PX_, proj in
+                ((row_maps[0], PX[0], layer.k_proj), (row_maps[-1], PX[-1], layer.v_proj)))
         if fused:
             return layer._merge(attention(layer._split(q), k, v, mechanism="full"))
         return layer.in_query_blocks(x, lambda rows: attention(
             layer._split(_project(rows, [layer.q_proj])[0]), k, v, mechanism="full"))
 
 
-def _linear_of_rows(P1, PX, linear):
-    """P (X Wᵀ + 1 bᵀ) from PX = P X and P1 = P 1: PX Wᵀ + (P 1) bᵀ, (B, proj_len, d_out).
-    P 1 is taken before P X: autograd then runs P X's backward first, and adds the row sums'
-    (expanded) gradient into its dense one in place. The other way round, each training step at
-    L = 16384 made two fresh (proj_len, L) sums, ~4 ms each."""
+def _linear_of_rows(P, PX, linear):
+    """P (X Wᵀ + 1 bᵀ) from PX = P X: PX Wᵀ + (P 1) bᵀ, (B, proj_len, d_out)."""
     out = F.linear(PX, linear.weight)
-    return out if linear.bias is None else out.addcmul_(P1, linear.bias)
+    return out if linear.bias is None else out.addcmul_(P.sum(-1, keepdim=True), linear.bias)
 
 
 register(
