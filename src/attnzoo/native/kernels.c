@@ -54,7 +54,7 @@ static inline REAL phi(REAL x, REAL floor_) {
 
 /* The features of two rows (phi; 0 for a row that takes no part: a fill, not a product, since
  * a padded key may hold anything), padded with zeros to whole lanes. */
-static inline __attribute__((always_inline)) void two_features(
+static AI void two_features(
         const REAL *restrict xa, const REAL *restrict xb, int a_ok, int b_ok, REAL *restrict fa,
         REAL *restrict fb, REAL floor_) {
     for (int d = 0; d < DK; d++) {
@@ -116,7 +116,7 @@ static inline REAL dot_lanes(const REAL *restrict a, const REAL *restrict b, REA
 
 /* Steps a and b (b right after a) from the state (S, z) in place: their outputs into oa, ob.
  * ka_ok, kb_ok: whether each key takes part (0: padded, or b is no step at all). */
-static inline __attribute__((always_inline)) void two_steps(
+static AI void two_steps(
         const REAL *restrict qa, const REAL *restrict ka, const REAL *restrict va,
         const REAL *restrict qb, const REAL *restrict kb, const REAL *restrict vb, int ka_ok, int kb_ok,
         REAL *restrict S, REAL *restrict z, REAL *restrict oa, REAL *restrict ob, REAL eps, REAL floor_) {
