@@ -18,6 +18,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #ifndef DK
 #error "compile with -DDK=<key features> -DDV=<value width> -DREAL=<float|double>"
@@ -28,40 +31,93 @@
 #define LANES 16 /* partial sums of the normaliser: a vector's worth, so that they vectorise */
 #define DKP ((DK + LANES - 1) / LANES * LANES)
 
+/* e^x for floor_ <= x <= 0. Float: e^r 2^n with n = round(x log2 e) and r = x - n ln 2 (ln 2 in
+ * two parts, Cephes' expf's reduction: exact without an FMA), e^r on [-ln2/2, ln2/2] a degree-6
+ * polynomial (minimax in relative error, fitted for attnzoo), n added into its exponent bits:
+ * branch-free and vectorisable, within 1.5 ulp of e^x. Cephes' seventh-degree polynomial and
+ * product with a built 2^n (1.4 ulp) took 1.5x as long on the benchmark's CPU. Clamped at
+ * EXP_LEAST at the lowest, where e^r 2^n is still a normal number. */
+#define EXP_LEAST -87.3365402f /* log of the smallest normal float, rounded up */
 static inline REAL exp_nonpositive(REAL x, REAL floor_) {
-    /* e^x for floor_ <= x <= 0; float: a branch-free polynomial (Cephes' expf), vectorisable */
-    x = x < floor_ ? floor_ : x;
-    if (!IS_FLOAT) return exp(x);
-    const float big = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    float xf = (float)x;
-    float n = (xf * 1.44269504088896341f + big) - big;
-    float r = xf - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } two_n;
-    two_n.i = ((int32_t)n + 127) << 23;
-    return (REAL)(p * two_n.f);
+    if (!IS_FLOAT) return exp(x < floor_ ? floor_ : x);
+    const float least = floor_ > EXP_LEAST ? floor_ : EXP_LEAST;
+    const float big = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, n in the low bits */
+    const float xf = (float)x < least ? least : (float)x;
+    union { float f; uint32_t u; } y, p; /* (unsigned: the shift below wraps) */
+    y.f = xf * 1.44269504088896341f + big;
+    const float n = y.f - big;
+    const float r = xf - n * 0.693359375f + n * 2.12194440e-4f;
+    float q = 1.3843651800e-3f;
+    q = q * r + 8.3741554716e-3f;
+    q = q * r + 4.1668002078e-2f;
+    q = q * r + 1.6666431261e-1f;
+    q = q * r + 4.9999994210e-1f;
+    q = q * r + 1.0000000322f;
+    p.f = q * r + 1.0f;
+    p.u += y.u << 23; /* 2^n (y's bits above n's shift out) */
+    return (REAL)p.f;
 }
 
+/* phi = elu + 1: x + 1 above 0, else e^x. Both sides computed, one taken (e^x of x > 0 is
+ * garbage, never used): as (x > 0 ? x : 0) + e^min(x, 0), GCC masked the exponential's steps
+ * and the features took 1.4x as long. A NaN stays NaN. */
 static inline REAL phi(REAL x, REAL floor_) {
-    return (x > 0 ? x : 0) + exp_nonpositive(x < 0 ? x : 0, floor_);
+    const REAL e = exp_nonpositive(x, floor_);
+    return x > 0 ? x + 1 : e;
 }
 
-/* The features of two rows (phi; 0 for a row that takes no part: a fill, not a product, since
- * a padded key may hold anything), padded with zeros to whole lanes. */
+/* A row of a large result, x * s into o (DV values), written once and not read again here:
+ * with ``stream`` (see can_stream), by non-temporal stores, which skip reading each line into
+ * the caches before writing it (efficient's queries, one thread, L = 4096: 2.9 -> 2.2 ms).
+ * A kernel that streams ends with streams_done(). */
+#if defined(__AVX512F__)
+#define STREAM_LANES (64 / (int)sizeof(REAL)) /* a 64-byte line */
+#define STREAMS (DV % STREAM_LANES == 0)
+#else
+#define STREAMS 0
+#endif
+static AI void put_row(REAL *restrict o, const REAL *restrict x, REAL s, int stream) {
+#if defined(__AVX512F__)
+    if (STREAMS && stream) {
+        for (int e = 0; e < DV; e += STREAM_LANES) {
+            if (IS_FLOAT)
+                _mm512_stream_ps((float *)(o + e), _mm512_mul_ps(_mm512_loadu_ps((const float *)(x + e)),
+                                                                 _mm512_set1_ps((float)s)));
+            else
+                _mm512_stream_pd((double *)(o + e), _mm512_mul_pd(_mm512_loadu_pd((const double *)(x + e)),
+                                                                  _mm512_set1_pd((double)s)));
+        }
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    for (int e = 0; e < DV; e++) o[e] = x[e] * s;
+}
+
+/* Whether rows of DV values from ``base`` can be streamed: whole 64-byte lines, aligned. */
+static int can_stream(const void *base) { return STREAMS && ((uintptr_t)base & 63) == 0; }
+
+/* Streamed stores are weakly ordered: fenced before the kernel returns (and its result is read). */
+static void streams_done(void) {
+#if defined(__AVX512F__)
+    _mm_sfence();
+#endif
+}
+
+/* The features of two rows (phi; 0 for a row that takes no part: a fill after, not a product,
+ * since a padded key may hold anything; a choice inside the loop was masked, step by step),
+ * padded with zeros to whole lanes. */
 static AI void two_features(
         const REAL *restrict xa, const REAL *restrict xb, int a_ok, int b_ok, REAL *restrict fa,
         REAL *restrict fb, REAL floor_) {
     for (int d = 0; d < DK; d++) {
-        fa[d] = a_ok ? phi(xa[d], floor_) : 0;
-        fb[d] = b_ok ? phi(xb[d], floor_) : 0;
+        fa[d] = phi(xa[d], floor_);
+        fb[d] = phi(xb[d], floor_);
     }
     for (int d = DK; d < DKP; d++) fa[d] = fb[d] = 0;
+    if (!a_ok) memset(fa, 0, sizeof(REAL) * DK);
+    if (!b_ok) memset(fb, 0, sizeof(REAL) * DK);
 }
 
 /* A vector's worth of lanes, and its halves: partial sums and maxima that the compiler keeps in
@@ -296,6 +352,7 @@ void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_
  * queries a pass through S. */
 void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z, REAL *out,
                     int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
+    const int stream = can_stream(out);
     for (int64_t h = 0; h < n_heads; h++) {
         REAL *O = out + h * L * DV, zp[DKP] = {0};
         for (int d = 0; d < DK; d++) zp[d] = z[h * DK + d];
@@ -303,12 +360,11 @@ void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z,
             REAL f[4][DKP], n[4][DV];
             four_features(q + h * q_head, 0, t, L, f, floor_);
             times(f, S + h * DK * DV, n);
-            for (int r = 0; r < 4 && t + r < L; r++) {
-                const REAL inv = 1 / dot_lanes(f[r], zp, eps);
-                for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e] * inv;
-            }
+            for (int r = 0; r < 4 && t + r < L; r++)
+                put_row(O + (t + r) * DV, n[r], 1 / dot_lanes(f[r], zp, eps), stream);
         }
     }
+    streams_done();
 }
 
 /* phi'(x) from phi(x): 1 above 0, e^x = phi(x) below. */
@@ -484,6 +540,7 @@ static AI void four_row_exps(const REAL *const *x, REAL (*restrict p)[DKP], REAL
 /* Queries: out = softmax(q) G (n_heads, L, DV), four queries a pass through G. */
 void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, int64_t n_heads, int64_t L,
                        REAL floor_) {
+    const int stream = can_stream(out);
     for (int64_t h = 0; h < n_heads; h++) {
         REAL *O = out + h * L * DV;
         for (int64_t t = 0; t < L; t += 4) {
@@ -492,10 +549,10 @@ void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, 
             REAL inv[4]; /* (the softmax's normaliser, applied to the product: off its path) */
             four_row_exps(rows, p, inv, floor_);
             times(p, G + h * DK * DV, n);
-            for (int r = 0; r < 4 && t + r < L; r++)
-                for (int e = 0; e < DV; e++) O[(t + r) * DV + e] = n[r][e] * inv[r];
+            for (int r = 0; r < 4 && t + r < L; r++) put_row(O + (t + r) * DV, n[r], inv[r], stream);
         }
     }
+    streams_done();
 }
 
 /* Backward, query side: with p = softmax(q) and dp = G g, dq = p * (dp - p . dp) (n_heads, L, DK)
