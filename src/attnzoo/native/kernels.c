@@ -66,20 +66,20 @@ static inline REAL phi(REAL x, REAL floor_) {
     return x > 0 ? x + 1 : e;
 }
 
-/* A row of a large result, x * s into o (DV values), written once and not read again here:
- * with ``stream`` (see can_stream), by non-temporal stores, which skip reading each line into
- * the caches before writing it (efficient's queries, one thread, L = 4096: 2.9 -> 2.2 ms).
- * A kernel that streams ends with streams_done(). */
+/* A row of a large result, x * s into o (``width`` values: DK or DV), written once and not read
+ * again here: with ``stream`` (see can_stream), by non-temporal stores, which skip reading each
+ * line into the caches before writing it (efficient's queries, one thread, L = 4096: 2.9 ->
+ * 2.2 ms; a product read the output after them faster too). A kernel that streams ends with
+ * streams_done(). */
 #if defined(__AVX512F__)
 #define STREAM_LANES (64 / (int)sizeof(REAL)) /* a 64-byte line */
-#define STREAMS (DV % STREAM_LANES == 0)
 #else
-#define STREAMS 0
+#define STREAM_LANES 0 /* (none) */
 #endif
-static AI void put_row(REAL *restrict o, const REAL *restrict x, REAL s, int stream) {
+static AI void put_row(REAL *restrict o, const REAL *restrict x, REAL s, int width, int stream) {
 #if defined(__AVX512F__)
-    if (STREAMS && stream) {
-        for (int e = 0; e < DV; e += STREAM_LANES) {
+    if (stream && width % STREAM_LANES == 0) {
+        for (int e = 0; e < width; e += STREAM_LANES) {
             if (IS_FLOAT)
                 _mm512_stream_ps((float *)(o + e), _mm512_mul_ps(_mm512_loadu_ps((const float *)(x + e)),
                                                                  _mm512_set1_ps((float)s)));
@@ -92,11 +92,13 @@ static AI void put_row(REAL *restrict o, const REAL *restrict x, REAL s, int str
 #else
     (void)stream;
 #endif
-    for (int e = 0; e < DV; e++) o[e] = x[e] * s;
+    for (int e = 0; e < width; e++) o[e] = x[e] * s;
 }
 
-/* Whether rows of DV values from ``base`` can be streamed: whole 64-byte lines, aligned. */
-static int can_stream(const void *base) { return STREAMS && ((uintptr_t)base & 63) == 0; }
+/* Whether rows of ``width`` values from ``base`` can be streamed: whole 64-byte lines, aligned. */
+static int can_stream(const void *base, int width) {
+    return STREAM_LANES && width % STREAM_LANES == 0 && ((uintptr_t)base & 63) == 0;
+}
 
 /* Streamed stores are weakly ordered: fenced before the kernel returns (and its result is read). */
 static void streams_done(void) {
@@ -352,7 +354,7 @@ void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_
  * queries a pass through S. */
 void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z, REAL *out,
                     int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
-    const int stream = can_stream(out);
+    const int stream = can_stream(out, DV);
     for (int64_t h = 0; h < n_heads; h++) {
         REAL *O = out + h * L * DV, zp[DKP] = {0};
         for (int d = 0; d < DK; d++) zp[d] = z[h * DK + d];
@@ -361,7 +363,7 @@ void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z,
             four_features(q + h * q_head, 0, t, L, f, floor_);
             times(f, S + h * DK * DV, n);
             for (int r = 0; r < 4 && t + r < L; r++)
-                put_row(O + (t + r) * DV, n[r], 1 / dot_lanes(f[r], zp, eps), stream);
+                put_row(O + (t + r) * DV, n[r], 1 / dot_lanes(f[r], zp, eps), DV, stream);
         }
     }
     streams_done();
@@ -380,6 +382,7 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
                         REAL eps, REAL floor_) {
     REAL *St = malloc(sizeof(REAL) * DK * DV);
     if (!St) return -1;
+    const int stream = can_stream(dq, DK);
     for (int64_t h = 0; h < n_heads; h++) {
         const REAL *zh = z + h * DK;
         REAL *dSh = dS + h * DK * DV, *dzh = dz + h * DK, *DQ = dq + h * L * DK, zp[DKP] = {0};
@@ -400,11 +403,13 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
             for (int r = 0; r < 4; r++) gden[r] = t + r < L ? -dot_lanes(f[r], df[r], 0) / den[r] : 0;
             add_outer(dSh, f, (const row_dv *)gn);
             add_weighted(dzh, f, gden);
-            for (int r = 0; r < 4 && t + r < L; r++)
-                for (int d = 0; d < DK; d++)
-                    DQ[(t + r) * DK + d] = (df[r][d] + gden[r] * zh[d]) * phi_slope(f[r][d]);
+            for (int r = 0; r < 4 && t + r < L; r++) {
+                for (int d = 0; d < DK; d++) df[r][d] = (df[r][d] + gden[r] * zh[d]) * phi_slope(f[r][d]);
+                put_row(DQ + (t + r) * DK, df[r], 1, DK, stream);
+            }
         }
     }
+    streams_done();
     free(St);
     return 0;
 }
@@ -414,7 +419,7 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
  * a key that takes no part (slope: e^x's, w itself, with exp_weights; else phi's); dSt = dS^T. */
 static AI void keys_grad_rows(const REAL *V, int64_t t, int64_t L, const int *part, REAL (*restrict w)[DKP],
                               const REAL *restrict dS, const REAL *restrict dSt, const REAL *restrict dz,
-                              int exp_weights, REAL *DK_, REAL *DV_) {
+                              int exp_weights, REAL *DK_, REAL *DV_, int stream_dk, int stream_dv) {
     REAL buf[4][DV], o[4][DV], dw[4][DKP];
     times(w, dS, o); /* dv = dS^T w */
     const row_dv *vr = four_rows_at(V, t, L, buf);
@@ -422,11 +427,12 @@ static AI void keys_grad_rows(const REAL *V, int64_t t, int64_t L, const int *pa
         for (int d = 0; d < DK; d++) dw[r][d] = dz[d];
     times_t(vr, dSt, dw); /* dS v + dz */
     for (int r = 0; r < 4 && t + r < L; r++) {
-        for (int e = 0; e < DV; e++) DV_[(t + r) * DV + e] = o[r][e];
+        put_row(DV_ + (t + r) * DV, o[r], 1, DV, stream_dv);
         for (int d = 0; d < DK; d++) { /* (a select: a padded key's v may hold anything) */
             const REAL slope = exp_weights ? w[r][d] : phi_slope(w[r][d]);
-            DK_[(t + r) * DK + d] = part[r] ? dw[r][d] * slope : 0;
+            dw[r][d] = part[r] ? dw[r][d] * slope : 0;
         }
+        put_row(DK_ + (t + r) * DK, dw[r], 1, DK, stream_dk);
     }
 }
 
@@ -447,9 +453,10 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
             for (int r = 0; r < 4; r++) part[r] = TAKES_PART(ok, t, r, L);
             four_features(k + h * k_head, ok, t, L, f, floor_);
             keys_grad_rows(v + h * v_head, t, L, part, f, dS + h * DK * DV, dSt, dz + h * DK, 0,
-                           dk + h * L * DK, dv + h * L * DV);
+                           dk + h * L * DK, dv + h * L * DV, can_stream(dk, DK), can_stream(dv, DV));
         }
     }
+    streams_done();
     free(dSt);
     return 0;
 }
@@ -540,7 +547,7 @@ static AI void four_row_exps(const REAL *const *x, REAL (*restrict p)[DKP], REAL
 /* Queries: out = softmax(q) G (n_heads, L, DV), four queries a pass through G. */
 void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, int64_t n_heads, int64_t L,
                        REAL floor_) {
-    const int stream = can_stream(out);
+    const int stream = can_stream(out, DV);
     for (int64_t h = 0; h < n_heads; h++) {
         REAL *O = out + h * L * DV;
         for (int64_t t = 0; t < L; t += 4) {
@@ -549,7 +556,7 @@ void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, 
             REAL inv[4]; /* (the softmax's normaliser, applied to the product: off its path) */
             four_row_exps(rows, p, inv, floor_);
             times(p, G + h * DK * DV, n);
-            for (int r = 0; r < 4 && t + r < L; r++) put_row(O + (t + r) * DV, n[r], inv[r], stream);
+            for (int r = 0; r < 4 && t + r < L; r++) put_row(O + (t + r) * DV, n[r], inv[r], DV, stream);
         }
     }
     streams_done();
@@ -561,6 +568,7 @@ int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t
                            REAL *dq, REAL *dG, int64_t n_heads, int64_t L, REAL floor_) {
     REAL *Gt = malloc(sizeof(REAL) * DK * DV);
     if (!Gt) return -1;
+    const int stream = can_stream(dq, DK);
     for (int64_t h = 0; h < n_heads; h++) {
         REAL *dGh = dG + h * DK * DV, *DQ = dq + h * L * DK;
         transpose(G + h * DK * DV, Gt, DK, DV);
@@ -576,10 +584,12 @@ int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t
             add_outer(dGh, p, gr);
             for (int r = 0; r < 4 && t + r < L; r++) {
                 const REAL pdp = dot_lanes(p[r], dp[r], 0);
-                for (int d = 0; d < DK; d++) DQ[(t + r) * DK + d] = p[r][d] * (dp[r][d] - pdp);
+                for (int d = 0; d < DK; d++) dp[r][d] = p[r][d] * (dp[r][d] - pdp);
+                put_row(DQ + (t + r) * DK, dp[r], 1, DK, stream);
             }
         }
     }
+    streams_done();
     free(Gt);
     return 0;
 }
@@ -614,9 +624,11 @@ int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int
             REAL E[4][DKP];
             int part[4];
             four_weights(k + h * k_head, ok, t, L, c + h * DK, E, part, floor_);
-            keys_grad_rows(v + h * v_head, t, L, part, E, dS, dSt, dz, 1, dk + h * L * DK, dv + h * L * DV);
+            keys_grad_rows(v + h * v_head, t, L, part, E, dS, dSt, dz, 1, dk + h * L * DK, dv + h * L * DV,
+                           can_stream(dk, DK), can_stream(dv, DV));
         }
     }
+    streams_done();
     free(dS);
     free(dSt);
     return 0;
