@@ -444,6 +444,7 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
                      REAL floor_) {
     REAL *dSt = malloc(sizeof(REAL) * DK * DV);
     if (!dSt) return -1;
+    const int stream_dk = can_stream(dk, DK), stream_dv = can_stream(dv, DV);
     for (int64_t h = 0; h < n_heads; h++) {
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
         transpose(dS + h * DK * DV, dSt, DK, DV);
@@ -453,7 +454,7 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
             for (int r = 0; r < 4; r++) part[r] = TAKES_PART(ok, t, r, L);
             four_features(k + h * k_head, ok, t, L, f, floor_);
             keys_grad_rows(v + h * v_head, t, L, part, f, dS + h * DK * DV, dSt, dz + h * DK, 0,
-                           dk + h * L * DK, dv + h * L * DV, can_stream(dk, DK), can_stream(dv, DV));
+                           dk + h * L * DK, dv + h * L * DV, stream_dk, stream_dv);
         }
     }
     streams_done();
@@ -606,6 +607,7 @@ int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int
         free(dSt);
         return -1;
     }
+    const int stream_dk = can_stream(dk, DK), stream_dv = can_stream(dv, DV);
     for (int64_t h = 0; h < n_heads; h++) {
         const REAL *Gh = G + h * DK * DV, *dGh = dG + h * DK * DV, *zh = z + h * DK;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
@@ -625,7 +627,7 @@ int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int
             int part[4];
             four_weights(k + h * k_head, ok, t, L, c + h * DK, E, part, floor_);
             keys_grad_rows(v + h * v_head, t, L, part, E, dS, dSt, dz, 1, dk + h * L * DK, dv + h * L * DV,
-                           can_stream(dk, DK), can_stream(dv, DV));
+                           stream_dk, stream_dv);
         }
     }
     streams_done();
