@@ -223,6 +223,9 @@ def _performer_features(L: int) -> torch.Tensor:
 
 
 PERFORMER = dict(features=_performer_features)
+# The linformer and nystrom-attention modules project q, k and v without biases and the
+# output with one: our layer takes the same (it has biases on all four by default).
+PEER_BIASES = dict(bias=False, out_bias=True)
 
 
 # ---------------------------------------------------------------------------- pairs
@@ -244,8 +247,9 @@ PAIRS: dict[str, Pair] = {
                 shared_qk=True, options=dict(bucket_size=64, n_hashes=4, attend_across_buckets=True,
                                              count_duplicates=False)),
     "linformer": Pair("linformer", False, linformer_module, "linformer LinformerSelfAttention",
-                      "k = 256, d_model 512, 8 heads, whole module", scope="module",
-                      options=dict(proj_len=256, max_len=lambda L: L)),
+                      "k = 256, d_model 512, 8 heads, whole module; as the peer's, no biases on "
+                      "q, k, v, one on the output", scope="module",
+                      options=dict(proj_len=256, max_len=lambda L: L, **PEER_BIASES)),
     "performer": Pair("performer", False, performer_fast(False), "performer-pytorch FastAttention",
                       "256 orthogonal features, drawn once", options=PERFORMER),
     "performer_causal": Pair("performer", True, performer_fast(True),
@@ -260,8 +264,9 @@ PAIRS: dict[str, Pair] = {
                          "ours: window 384", options=dict(window=384)),
     "nystrom": Pair("nystrom", False, nystrom_module, "nystrom-attention NystromAttention",
                     "256 landmarks, 6 pinv iterations, d_model 512, 8 heads, whole module "
-                    "(the peer adds a depthwise residual conv of 33 taps)", scope="module",
-                    options=dict(num_landmarks=256)),
+                    "(the peer adds a depthwise residual conv of 33 taps); as the peer's, no "
+                    "biases on q, k, v, one on the output", scope="module",
+                    options=dict(num_landmarks=256, **PEER_BIASES)),
     "efficient": Pair("efficient", False, lat_linear, "linear-attention-transformer linear_attn",
                       "softmax of q over features, of k over positions"),
     "linear": Pair("linear", False, fast_transformers("linear"),
@@ -525,8 +530,8 @@ def floor_s(pair: Pair, L: int, doc: dict) -> float | None:
     spec = attnzoo.get(pair.mechanism)
     if spec.flops is None:
         return None
-    layer_only = {f.name for f in dataclasses.fields(spec.layer_options)} if spec.layer_options else set()
-    options = {n: o for n, o in pair_options(pair, L).items() if n not in layer_only}
+    own = {f.name for f in dataclasses.fields(spec.options)}  # not the layer's (max_len, bias)
+    options = {n: o for n, o in pair_options(pair, L).items() if n in own}
     flops = spec.flops(B, H, L, L, D, D, pair.causal, attnzoo.registry.make_options(spec, options))
     if pair.scope == "module":
         flops += 4 * 2.0 * B * L * D_MODEL * D_MODEL

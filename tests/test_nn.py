@@ -34,6 +34,27 @@ def test_full_matches_torch_multihead_attention(causal, masked):
     torch.testing.assert_close(ours(x, key_mask=key_mask), expected, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("mechanism", ["full", "linformer", "nystrom"])
+def test_out_bias_apart_from_bias(mechanism):
+    """bias=False, out_bias=True (the layout of the linformer and nystrom-attention packages):
+    no biases on q, k, v and one on the output, which moves the output by exactly that bias;
+    out_bias=None follows bias."""
+    opts = dict(proj_len=4, max_len=9) if mechanism == "linformer" else {}
+    torch.manual_seed(0)
+    layer = attnzoo.MultiheadAttention(12, 3, mechanism=mechanism, bias=False, out_bias=True, **opts).double()
+    assert [p.bias is None for p in (layer.q_proj, layer.k_proj, layer.v_proj)] == [True] * 3
+    assert layer.out_proj.bias is not None
+    assert attnzoo.MultiheadAttention(12, 3, bias=False).out_proj.bias is None
+    assert attnzoo.MultiheadAttention(12, 3, out_bias=False).q_proj.bias is not None
+    x = torch.randn(2, 9, 12, dtype=torch.float64)
+    b = torch.randn(12, dtype=torch.float64)
+    with torch.no_grad():
+        layer.out_proj.bias.copy_(b)
+        shifted = layer(x)
+        layer.out_proj.bias.zero_()
+        torch.testing.assert_close(shifted, layer(x) + b, atol=1e-12, rtol=1e-12)
+
+
 def test_cross_attention_matches_torch():
     torch.manual_seed(1)
     d, h = 16, 2

@@ -65,8 +65,12 @@ class MultiheadAttention(nn.Module):
         dropout: dropout on the attention output, before the output
             projection (not on attention weights, which most mechanisms never
             form).
-        bias: whether the projections have biases.
+        bias: whether the projections have biases (the output's: see ``out_bias``).
         causal: causal self-attention (see ``attnzoo.attention``).
+        out_bias: whether the output projection has a bias; None (the default):
+            as ``bias``. ``bias=False, out_bias=True`` is the layout of the
+            linformer and nystrom-attention packages: queries, keys and values
+            without biases, the output with one.
         seed: seed of the layer's own generator, used by randomized
             mechanisms so that a run is reproducible; its state is saved in
             ``state_dict``.
@@ -94,6 +98,7 @@ class MultiheadAttention(nn.Module):
         bias: bool = True,
         *,
         causal: bool = False,
+        out_bias: bool | None = None,
         seed: int = 0,
         **options: Any,
     ) -> None:
@@ -114,7 +119,7 @@ class MultiheadAttention(nn.Module):
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
         self.k_proj: nn.Module | None = nn.Linear(d_model, d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias if out_bias is None else out_bias)
         self.dropout = nn.Dropout(dropout)
         self._generator: torch.Generator | None = None
         self._saved_generator: dict | None = None  # from load_state_dict, applied on first use
