@@ -272,7 +272,7 @@ def _project(x: torch.Tensor, projections: list[nn.Module], row_maps=()) -> tupl
     (B, p, L), applied along the positions: P x (B, p, d_in) (linformer's E X). :func:`_plain`
     projections without autocast (which would change their dtypes) go through
     :class:`_SharedInputLinear` (one input gradient for all the maps), or without grad through
-    :func:`_linear`, their results in :func:`~attnzoo._pages.fresh_empty` memory; others are
+    :func:`_linears`, their results in :func:`~attnzoo._pages.fresh_empty` memory; others are
     called as modules."""
     if torch.is_autocast_enabled(x.device.type) or not _plain(projections):
         return *(p(x) for p in projections), *(torch.matmul(P, x) for P in row_maps)
@@ -283,18 +283,26 @@ def _project(x: torch.Tensor, projections: list[nn.Module], row_maps=()) -> tupl
 
 
 def _maps(x: torch.Tensor, params, row_maps) -> tuple[torch.Tensor, ...]:
-    """x Wᵀ + b by :func:`_linear` for each (W, b) in ``params`` (flat: W, b, W, b, ...), then
+    """x Wᵀ + b by :func:`_linears` for the (W, b) in ``params`` (flat: W, b, W, b, ...), then
     P x for each row map P: the maps of :func:`_project`, without autograd."""
-    return (*(_linear(x, w, b) for w, b in zip(params[0::2], params[1::2], strict=True)),
-            *(torch.matmul(P, x) for P in row_maps))
+    return (*_linears(x, params[0::2], params[1::2]), *(torch.matmul(P, x) for P in row_maps))
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x Wᵀ + b, (B, L, d_in) -> (B, L, d_out), into fresh huge-page memory: at L = 16384 and
-    d_model 512 a 32 MiB result, ~5 ms of 4 KiB page faults on the benchmark's CPU otherwise."""
+def _linears(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
+    """x W_iᵀ + b_i for each i, (B, L, d_in) -> (B, L, d_out_i), into fresh memory: one
+    (n, B·L, d_out) buffer for all n where their widths agree, its rows in huge pages from
+    32 MiB (:func:`~attnzoo._pages.fresh_empty`: at L = 16384 and d_model 512, ~5 ms of 4 KiB
+    page faults a 32 MiB result otherwise). One allocation for q, k and v, not three: glibc
+    hands a freed heap top back to the OS when it exceeds twice the largest block it has
+    mapped and freed, and the layer's (B, L, d_model) tensors were then faulted in afresh on
+    every call (nystrom's forward at L = 4096: ~12k page faults and 69-77 ms a call in some
+    processes; none and 61-67 ms with q, k and v in one 24 MiB block)."""
     rows = x.reshape(-1, x.shape[-1])  # (B·L, d_in)
-    out = _linear_into(fresh_empty(rows.shape[0], w.shape[0], like=rows), rows, w, b)
-    return out.view(*x.shape[:-1], w.shape[0])
+    widths = [w.shape[0] for w in weights]
+    outs = (fresh_empty(len(weights), rows.shape[0], widths[0], like=rows) if len(set(widths)) == 1
+            else [fresh_empty(rows.shape[0], d_out, like=rows) for d_out in widths])
+    return [_linear_into(out, rows, w, b).view(*x.shape[:-1], w.shape[0])
+            for out, w, b in zip(outs, weights, biases, strict=True)]
 
 
 def _linear_into(out: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
@@ -311,7 +319,7 @@ class _SharedInputLinear(torch.autograd.Function):
     32 MiB tensors faulted in afresh, four more per training step of self-attention (~30k page
     faults); linformer's q, E X and F X took 103-108 ms for their dx that way, 61 ms in one.
     Its results and dx are written into :func:`~attnzoo._pages.fresh_empty` memory
-    (:func:`_linear`)."""
+    (:func:`_linears`)."""
 
     @staticmethod
     def forward(x, n_rows, *tensors):
