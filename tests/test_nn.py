@@ -176,6 +176,21 @@ def test_projections_without_grad_equal_the_modules(monkeypatch, bias, cross):
     torch.testing.assert_close(ours, modules, atol=1e-13, rtol=1e-12)
 
 
+def test_projections_of_one_width_share_one_buffer():
+    """q, k and v (one input, one width) are written into one fresh buffer, one allocation not
+    three (see ``_linears``); a width apart gets its own."""
+    nn_mod = __import__("attnzoo.nn", fromlist=["_project"])
+    x = torch.randn(2, 5, 6)
+    same = [torch.nn.Linear(6, 4) for _ in range(3)]
+    with torch.no_grad():
+        outs = nn_mod._project(x, same)
+        mixed = nn_mod._project(x, [torch.nn.Linear(6, 4), torch.nn.Linear(6, 3)])
+    assert len({t.untyped_storage().data_ptr() for t in outs}) == 1
+    assert len({t.untyped_storage().data_ptr() for t in mixed}) == 2
+    for t, lin in zip(outs, same, strict=True):
+        torch.testing.assert_close(t, lin(x))
+
+
 def test_fused_projections_gradcheck():
     """Feature maps (x Wᵀ + b) and row maps (P x, P shared by the batch or one per entry)."""
     fn = __import__("attnzoo.nn", fromlist=["_SharedInputLinear"])._SharedInputLinear.apply
