@@ -290,9 +290,9 @@ def _maps(x: torch.Tensor, params, row_maps) -> tuple[torch.Tensor, ...]:
 
 def _linears(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
     """x W_iᵀ + b_i for each i, (B, L, d_in) -> (B, L, d_out_i), into fresh memory: one
-    (n, B·L, d_out) buffer for all n where their widths agree, its rows in huge pages from
-    32 MiB (:func:`~attnzoo._pages.fresh_empty`: at L = 16384 and d_model 512, ~5 ms of 4 KiB
-    page faults a 32 MiB result otherwise). One allocation for q, k and v, not three: glibc
+    (n, B·L, d_out) buffer for all n where their widths agree, in huge pages where it is
+    32 MiB or more (:func:`~attnzoo._pages.fresh_empty`: at L = 16384 and d_model 512, ~5 ms
+    of 4 KiB page faults a 32 MiB result otherwise). One allocation for q, k and v, not three: glibc
     hands a freed heap top back to the OS when it exceeds twice the largest block it has
     mapped and freed, and the layer's (B, L, d_model) tensors were then faulted in afresh on
     every call (nystrom's forward at L = 4096: ~12k page faults and 69-77 ms a call in some
