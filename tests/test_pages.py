@@ -4,7 +4,21 @@ import pytest
 import torch
 
 from attnzoo import _pages
-from attnzoo._pages import HUGE_PAGE, MIN_BYTES, fresh_empty, fresh_like, whole_huge_pages
+from attnzoo._pages import HUGE_PAGE, MIN_BYTES, empty_cache, fresh_empty, fresh_like, whole_huge_pages
+
+
+@pytest.fixture(autouse=True)
+def no_kept_blocks():
+    """Each test starts with no kept block (a block kept by another would be taken, not mapped)."""
+    empty_cache()
+    yield
+    empty_cache()
+
+
+@pytest.fixture
+def unkept(monkeypatch):
+    """fresh_empty without kept blocks: torch's own allocation, advised."""
+    monkeypatch.setattr(_pages, "KEEP_BYTES", 0)
 
 
 @pytest.mark.parametrize("ptr, nbytes, expected", [
@@ -20,7 +34,7 @@ def test_whole_huge_pages_lie_inside_the_tensor(ptr, nbytes, expected):
     assert length == 0 or (start >= ptr and start + length <= ptr + nbytes)
 
 
-def test_fresh_empty_advises_a_large_result_and_is_a_plain_tensor(monkeypatch):
+def test_fresh_empty_advises_a_large_result_and_is_a_plain_tensor(monkeypatch, unkept):
     calls = []
     monkeypatch.setattr(_pages, "_MADVISE", lambda *args: calls.append(args) or 0)
     like = torch.zeros(2, dtype=torch.float64)
@@ -36,7 +50,7 @@ def test_fresh_empty_advises_a_large_result_and_is_a_plain_tensor(monkeypatch):
     assert len(calls) == 2
 
 
-def test_fresh_empty_with_strides_is_laid_out_as_asked_and_advised(monkeypatch):
+def test_fresh_empty_with_strides_is_laid_out_as_asked_and_advised(monkeypatch, unkept):
     """Laid out as a transposed (B, H, L, D) view of (B, L, H, D), and advised as a contiguous
     result of its size is."""
     calls = []
@@ -49,11 +63,69 @@ def test_fresh_empty_with_strides_is_laid_out_as_asked_and_advised(monkeypatch):
     assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.nbytes
 
 
-def test_fresh_empty_populates_only_advised_huge_pages(monkeypatch):
+@pytest.mark.parametrize("keep", [True, False])
+def test_fresh_empty_populates_only_advised_huge_pages(monkeypatch, keep):
     calls = []
     monkeypatch.setattr(_pages, "_MADVISE", lambda *args: calls.append(args) or -1)  # refused
+    monkeypatch.setattr(_pages, "KEEP_BYTES", _pages.KEEP_BYTES if keep else 0)
     fresh_empty(MIN_BYTES // 4, like=torch.zeros(1)).zero_()
     assert [advice for *_, advice in calls] == [14]
+
+
+def test_a_dead_result_s_block_is_taken_by_the_next_of_its_size():
+    like = torch.zeros(1, dtype=torch.float64)
+    n = _pages.POOL_BYTES // 8 + 3  # not a whole number of pages; 5 × 26215
+    t = fresh_empty(n, like=like).fill_(1.0)
+    ptr = t.data_ptr()
+    del t
+    assert [len(b) for b in _pages._KEPT] == [-(-n * 8 // _pages._PAGE) * _pages._PAGE]
+    u = fresh_empty(5, n // 5, like=like, stride=(1, 5))  # the same bytes, another layout
+    assert u.data_ptr() == ptr and u.shape == (5, n // 5) and u.stride() == (1, 5) and not _pages._KEPT
+    assert fresh_empty(n + 4096, like=like).data_ptr() != ptr  # another size: a block of its own
+    small = fresh_empty(5, like=like)  # below POOL_BYTES: torch's allocation, resizable
+    assert small.untyped_storage().resizable()
+
+
+def test_a_block_stays_with_its_views_until_the_last_dies():
+    t = fresh_empty(_pages.POOL_BYTES // 4, like=torch.zeros(1)).fill_(7.0)
+    view = t[10:20]
+    del t
+    assert not _pages._KEPT  # the view holds the block
+    other = fresh_empty(_pages.POOL_BYTES // 4, like=torch.zeros(1)).fill_(-1.0)  # a fresh block
+    assert (view == 7.0).all() and (other == -1.0).all()
+    del view
+    assert len(_pages._KEPT) == 1
+
+
+def test_kept_blocks_are_bounded_oldest_dropped_first(monkeypatch):
+    size = _pages.POOL_BYTES
+    monkeypatch.setattr(_pages, "KEEP_BYTES", 2 * size)
+    ts = [fresh_empty(size // 4, like=torch.zeros(1)) for _ in range(3)]
+    blocks = [t.data_ptr() for t in ts]
+    while ts:  # freed in order: the first is dropped when the third comes back
+        ts.pop(0)
+    again = [fresh_empty(size // 4, like=torch.zeros(1)) for _ in range(3)]
+    assert [t.data_ptr() for t in again[:2]] == [blocks[2], blocks[1]]  # the newest first
+    assert again[2].data_ptr() not in blocks[1:]
+    empty_cache()
+    assert not _pages._KEPT
+
+
+def test_after_a_fork_no_block_is_kept_and_the_lock_is_free():
+    fresh_like(torch.zeros(_pages.POOL_BYTES // 4))  # dies at once: its block is kept
+    assert _pages._KEPT and _pages._KEPT_LOCK.acquire()  # held, as by a thread that forked away
+    _pages._after_fork()
+    assert not _pages._KEPT and not _pages._KEPT_LOCK.locked()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc's resident set is Linux's")
+def test_benchmark_memory_counts_a_result_on_a_kept_block():
+    from attnzoo.bench.measure import peak_memory
+    n = _pages.POOL_BYTES  # floats: 4 × POOL_BYTES bytes
+    fresh_empty(n, like=torch.zeros(1))  # dies at once: a block of this size is kept
+    assert _pages._KEPT
+    peak = peak_memory(lambda: fresh_empty(n, like=torch.zeros(1)).fill_(1.0))
+    assert peak is None or peak >= 4 * _pages.POOL_BYTES - HUGE_PAGE
 
 
 def test_fresh_like_takes_each_shape_and_dtype_and_zeroes_on_request():

@@ -8,8 +8,9 @@ True
 # Importing the subpackage registers the built-in mechanisms; it comes first so that the
 # function `mechanisms` below, not the subpackage, is what `attnzoo.mechanisms` names.
 import attnzoo.mechanisms as _builtin  # noqa: F401  isort: skip
+from attnzoo._pages import empty_cache
 from attnzoo.nn import MultiheadAttention
 from attnzoo.registry import attention, connectivity, get, mechanisms
 
-__all__ = ["MultiheadAttention", "attention", "connectivity", "get", "mechanisms"]
+__all__ = ["MultiheadAttention", "attention", "connectivity", "empty_cache", "get", "mechanisms"]
 __version__ = "0.1.0"
