@@ -129,8 +129,47 @@ def test_flops_count_the_recurrence_where_it_runs(monkeypatch):
         2 * 64 * (D + Dv) + 4 * D * Dv + 2 * D)
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _trained(mechanism, q, k, v, km, g):
+    """(out, dq, dk, dv) of ``mechanism`` on leaves made from q, k, v."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attnzoo.attention(q, k, v, mechanism=mechanism, key_mask=km)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), g))
+
+
+@pytest.mark.skipif(not torch._C.has_openmp, reason="torch without OpenMP: no OpenMP build")
+@pytest.mark.parametrize("mechanism", ["linear", "efficient"])
+def test_heads_split_by_openmp_or_by_python_give_the_same(monkeypatch, tmp_path, two_threads, mechanism):
+    """Built with OpenMP (where torch runs on it), the kernels split the heads among its threads
+    themselves; built without, Python's pool does. Outputs and gradients agree (B·H = 6 heads
+    over 2 threads), and a causal_linear call too."""
+    q, k, v, km = random_inputs(B=2, H=3, Lq=13, Lk=11, D=8, Dv=5, masked=True, seed=5)
+    g = torch.randn(2, 3, 13, 5, dtype=q.dtype)
+    S, z = torch.zeros(2, 3, 8, 5, dtype=q.dtype), torch.zeros(2, 3, 8, dtype=q.dtype)
+    got = {}
+    for openmp in (True, False):
+        monkeypatch.setenv("ATTNZOO_CACHE", str(tmp_path / str(openmp)))
+        flags = [*_native._flags(), "-fopenmp"] if openmp else _native._flags()
+        monkeypatch.setattr(_native, "_flag_sets", lambda flags=flags: [flags])
+        _native._library.cache_clear()
+        assert _native._kernels(q, k, v).splits_heads == openmp
+        got[openmp] = (*_trained(mechanism, q, k, v, km, g),
+                       _native.causal_linear(q[:, :, :11], k, v, S, z, None, 1e-6)[0])
+    _native._library.cache_clear()
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
 def test_a_forked_child_runs_the_kernel_in_a_pool_of_its_own():
-    """The pool's threads do not survive a fork: the child makes its own (else it would hang)."""
+    """Neither the pool's threads nor OpenMP's survive a fork: the child makes a pool of its own
+    and runs each kernel call's OpenMP region on its calling thread (else it would hang)."""
     import multiprocessing as mp
 
     q, k, v, _ = random_inputs(B=2, H=2, Lq=10, Lk=10, D=4, seed=2)

@@ -26,6 +26,35 @@
 #error "compile with -DDK=<key features> -DDV=<value width> -DREAL=<float|double>"
 #endif
 
+/* Linear's and efficient's heads are split among the threads of the OpenMP runtime that torch's
+ * own parallel ops use, where the build has one (-fopenmp: libgomp.so.1, the one torch loaded):
+ * a region of its threads, still spinning from torch's last op, took ~1 us to hand out and
+ * join, against ~85 us for a Python thread pool's (attnzoo/_native.py). Without it the heads
+ * run one after another here, and Python splits them among its own threads. */
+#ifdef _OPENMP
+#define OVER_HEADS _Pragma("omp parallel for schedule(static) if(!serial)")
+#define OVER_HEADS_STATUS _Pragma("omp parallel for schedule(static) if(!serial) reduction(|:status)")
+#else
+#define OVER_HEADS
+#define OVER_HEADS_STATUS
+#endif
+
+/* Whether this build splits heads itself (OVER_HEADS). */
+int parallel_build(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* A process forked after its parent ran OpenMP regions has the parent's record of their
+ * threads, not the threads: a region of more than one thread waits for them for ever (torch's
+ * own ops too). There each call runs its heads on the calling thread alone, and Python splits
+ * them among threads of its own. */
+static int serial;
+void serial_heads(void) { serial = 1; }
+
 #define IS_FLOAT (sizeof(REAL) == 4)
 #define AI inline __attribute__((always_inline))
 #define LANES 16 /* partial sums of the normaliser: a vector's worth, so that they vectorise */
@@ -228,6 +257,7 @@ static AI void two_steps(
 void causal_linear(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok,
                    int64_t q_head, int64_t k_head, int64_t v_head, REAL *out, REAL *S, REAL *z,
                    int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
+    OVER_HEADS
     for (int64_t h = 0; h < n_heads; h++) {
         const REAL *Q = q + h * q_head, *K = k + h * k_head, *V = v + h * v_head;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
@@ -336,6 +366,7 @@ static const REAL ONES[4] = {1, 1, 1, 1};
  * causal_linear's. Four keys a pass through S. */
 void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                  REAL *S, REAL *z, int64_t n_heads, int64_t L, REAL floor_) {
+    OVER_HEADS
     for (int64_t h = 0; h < n_heads; h++) {
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
         REAL *Sh = S + h * DK * DV, *zh = z + h * DK;
@@ -355,6 +386,7 @@ void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_
 void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z, REAL *out,
                     int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
     const int stream = can_stream(out, DV);
+    OVER_HEADS
     for (int64_t h = 0; h < n_heads; h++) {
         REAL *O = out + h * L * DV, zp[DKP] = {0};
         for (int d = 0; d < DK; d++) zp[d] = z[h * DK + d];
@@ -365,8 +397,8 @@ void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z,
             for (int r = 0; r < 4 && t + r < L; r++)
                 put_row(O + (t + r) * DV, n[r], 1 / dot_lanes(f[r], zp, eps), DV, stream);
         }
+        streams_done(); /* (each thread its own) */
     }
-    streams_done();
 }
 
 /* phi'(x) from phi(x): 1 above 0, e^x = phi(x) below. */
@@ -380,10 +412,15 @@ static inline REAL phi_slope(REAL f) { return f < 1 ? f : 1; }
 int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_head, const REAL *S,
                         const REAL *z, REAL *dq, REAL *dS, REAL *dz, int64_t n_heads, int64_t L,
                         REAL eps, REAL floor_) {
-    REAL *St = malloc(sizeof(REAL) * DK * DV);
-    if (!St) return -1;
     const int stream = can_stream(dq, DK);
+    int status = 0;
+    OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
+        REAL *St = malloc(sizeof(REAL) * DK * DV); /* (a head's own: heads run side by side) */
+        if (!St) {
+            status = -1;
+            continue;
+        }
         const REAL *zh = z + h * DK;
         REAL *dSh = dS + h * DK * DV, *dzh = dz + h * DK, *DQ = dq + h * L * DK, zp[DKP] = {0};
         for (int d = 0; d < DK; d++) zp[d] = zh[d];
@@ -408,10 +445,10 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
                 put_row(DQ + (t + r) * DK, df[r], 1, DK, stream);
             }
         }
+        streams_done();
+        free(St);
     }
-    streams_done();
-    free(St);
-    return 0;
+    return status;
 }
 
 /* The key side of a backward, four keys at a time from t, given their weights w (phi(k), or
@@ -442,10 +479,15 @@ static AI void keys_grad_rows(const REAL *V, int64_t t, int64_t L, const int *pa
 int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                      const REAL *dS, const REAL *dz, REAL *dk, REAL *dv, int64_t n_heads, int64_t L,
                      REAL floor_) {
-    REAL *dSt = malloc(sizeof(REAL) * DK * DV);
-    if (!dSt) return -1;
     const int stream_dk = can_stream(dk, DK), stream_dv = can_stream(dv, DV);
+    int status = 0;
+    OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
+        REAL *dSt = malloc(sizeof(REAL) * DK * DV);
+        if (!dSt) {
+            status = -1;
+            continue;
+        }
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
         transpose(dS + h * DK * DV, dSt, DK, DV);
         for (int64_t t = 0; t < L; t += 4) {
@@ -456,10 +498,10 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
             keys_grad_rows(v + h * v_head, t, L, part, f, dS + h * DK * DV, dSt, dz + h * DK, 0,
                            dk + h * L * DK, dv + h * L * DV, stream_dk, stream_dv);
         }
+        streams_done();
+        free(dSt);
     }
-    streams_done();
-    free(dSt);
-    return 0;
+    return status;
 }
 
 /* ---- Efficient attention (Shen et al., WACV 2021): out = softmax_features(q) G with
@@ -479,6 +521,7 @@ static AI void four_weights(const REAL *K, const uint8_t *ok, int64_t t, int64_t
 /* Keys: G (n_heads, DK, DV), z (n_heads, DK, unclamped) and c (n_heads, DK), written. */
 void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                     REAL *G, REAL *z, REAL *c, int64_t n_heads, int64_t L, REAL tiny, REAL floor_) {
+    OVER_HEADS
     for (int64_t h = 0; h < n_heads; h++) {
         const REAL *K = k + h * k_head;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
@@ -549,6 +592,7 @@ static AI void four_row_exps(const REAL *const *x, REAL (*restrict p)[DKP], REAL
 void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, int64_t n_heads, int64_t L,
                        REAL floor_) {
     const int stream = can_stream(out, DV);
+    OVER_HEADS
     for (int64_t h = 0; h < n_heads; h++) {
         REAL *O = out + h * L * DV;
         for (int64_t t = 0; t < L; t += 4) {
@@ -559,18 +603,23 @@ void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, 
             times(p, G + h * DK * DV, n);
             for (int r = 0; r < 4 && t + r < L; r++) put_row(O + (t + r) * DV, n[r], inv[r], DV, stream);
         }
+        streams_done(); /* (each thread its own) */
     }
-    streams_done();
 }
 
 /* Backward, query side: with p = softmax(q) and dp = G g, dq = p * (dp - p . dp) (n_heads, L, DK)
  * and dG = sum p g^T (n_heads, DK, DV), written. Returns 0, or -1 without memory for G^T. */
 int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_head, const REAL *G,
                            REAL *dq, REAL *dG, int64_t n_heads, int64_t L, REAL floor_) {
-    REAL *Gt = malloc(sizeof(REAL) * DK * DV);
-    if (!Gt) return -1;
     const int stream = can_stream(dq, DK);
+    int status = 0;
+    OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
+        REAL *Gt = malloc(sizeof(REAL) * DK * DV);
+        if (!Gt) {
+            status = -1;
+            continue;
+        }
         REAL *dGh = dG + h * DK * DV, *DQ = dq + h * L * DK;
         transpose(G + h * DK * DV, Gt, DK, DV);
         for (int i = 0; i < DK * DV; i++) dGh[i] = 0;
@@ -589,10 +638,10 @@ int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t
                 put_row(DQ + (t + r) * DK, dp[r], 1, DK, stream);
             }
         }
+        streams_done();
+        free(Gt);
     }
-    streams_done();
-    free(Gt);
-    return 0;
+    return status;
 }
 
 /* Backward, key side, from dG: dS = dG / z and dz = -(dG . G) / z per feature (0 where z is
@@ -601,14 +650,17 @@ int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t
 int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                         const REAL *G, const REAL *z, const REAL *c, const REAL *dG, REAL *dk, REAL *dv,
                         int64_t n_heads, int64_t L, REAL tiny, REAL floor_) {
-    REAL *dS = malloc(sizeof(REAL) * DK * DV), *dSt = malloc(sizeof(REAL) * DK * DV);
-    if (!dS || !dSt) {
-        free(dS);
-        free(dSt);
-        return -1;
-    }
     const int stream_dk = can_stream(dk, DK), stream_dv = can_stream(dv, DV);
+    int status = 0;
+    OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
+        REAL *dS = malloc(sizeof(REAL) * DK * DV), *dSt = malloc(sizeof(REAL) * DK * DV);
+        if (!dS || !dSt) {
+            free(dS);
+            free(dSt);
+            status = -1;
+            continue;
+        }
         const REAL *Gh = G + h * DK * DV, *dGh = dG + h * DK * DV, *zh = z + h * DK;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
         REAL dz[DK];
@@ -629,11 +681,11 @@ int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int
             keys_grad_rows(v + h * v_head, t, L, part, E, dS, dSt, dz, 1, dk + h * L * DK, dv + h * L * DV,
                            stream_dk, stream_dv);
         }
+        streams_done();
+        free(dS);
+        free(dSt);
     }
-    streams_done();
-    free(dS);
-    free(dSt);
-    return 0;
+    return status;
 }
 
 /* LSH's hash of n positions of n_heads heads from their rotations x R, laid out (n_heads, R,
