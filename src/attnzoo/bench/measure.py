@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 import attnzoo
-from attnzoo._pages import empty_cache
 
 FAMILIES = ("gaussian", "peaked")
 
@@ -84,7 +83,7 @@ def _release_memory() -> None:
     """Free what the process holds but no longer uses: garbage, glibc's free heap, attnzoo's
     kept blocks (a result counts as memory its call adds, as it would without them)."""
     gc.collect()
-    empty_cache()
+    attnzoo.empty_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
