@@ -515,19 +515,24 @@ class _Band:
         step, in cache): with c = scale·log2 e, P = 2^(c·Q Kᵀ + mask·log2 e − lse·log2 e) by one
         ``baddbmm_`` into the mask less lse, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = scale·dS K,
         and the window's dK = scale·dSᵀ Q and dV = Pᵀ dO are added onto its keys, one add each
-        for all heads (one block's window does not overlap itself). (torch's fused backward
-        took ~25 % longer here, mostly zero-filling and summing per-window gradients; a loop
-        over heads, with the windows of several blocks folded together, ~5 % longer.)
+        for all heads (one block's window does not overlap itself). P, dS and the window's
+        products go into buffers taken once, and rowsum(dO ⊙ O) is taken block by block: fresh
+        (h, block, span) tensors were faulted in afresh in some processes, and the whole
+        rowsum's (L, Dv) product was a large temporary (local's training step at L = 4096:
+        peak 50 -> 29-31 MiB). (torch's fused backward took ~25 % longer here, mostly
+        zero-filling and summing per-window gradients; a loop over heads, with the windows of
+        several blocks folded together, ~5 % longer.)
         """
         qb = q_flat.view(-1, self.nb, self.block, q_flat.shape[-1])
         BH, nb, block, _ = qb.shape
-        gb = grad_o.reshape(BH, nb, block, -1)
-        row = torch.linalg.vecdot(gb, o.reshape(gb.shape)).unsqueeze(-1)  # (B·H, nb, block, 1)
+        gb, ob = grad_o.reshape(BH, nb, block, -1), o.reshape(BH, nb, block, -1)
         lse2 = (lse.reshape(BH, nb, block) * LOG2E).unsqueeze(-1)  # (B·H, nb, block, 1)
         dq = fresh_empty(*qb.shape, like=qb)
         dk, dv = (fresh_empty(BH, self.L, t.shape[-1], like=t).zero_()  # (B·H, L, ·)
                   for t in (k_flat, v_flat))
         heads = max(1, SCORES_PER_CHUNK // 2 // (block * self.span))  # heads at a time
+        p_buf, ds_buf = (qb.new_empty(min(heads, BH), block, self.span) for _ in range(2))
+        kv_buf = qb.new_empty(min(heads, BH), self.span, v_flat.shape[-1])
         scale = self.fused_scale
         for a, b, mask in self._runs(q_flat.dtype):
             kb, vb = self._windows(k_flat, a, b), self._windows(v_flat, a, b)  # (B·H, b − a, span, ·)
@@ -542,12 +547,14 @@ class _Band:
                     hs = slice(h, h + heads)
                     q_i, g_i = qb[hs, i], gb[hs, i]  # (h, block, ·)
                     k_i, v_i = kb[hs, i - a], vb[hs, i - a]  # (h, span, ·)
-                    p = torch.sub(bias, lse2[hs, i]).baddbmm_(q_i, k_i.transpose(-1, -2),
-                                                              alpha=scale * LOG2E).exp2_()
-                    ds = torch.bmm(g_i, v_i.transpose(-1, -2)).sub_(row[hs, i]).mul_(p)  # (h, block, span)
+                    row = torch.linalg.vecdot(g_i, ob[hs, i]).unsqueeze(-1)  # rowsum(dO ⊙ O) (h, block, 1)
+                    n = q_i.shape[0]  # (p, ds: (n, block, span))
+                    p = torch.sub(bias, lse2[hs, i], out=p_buf[:n]).baddbmm_(q_i, k_i.transpose(-1, -2),
+                                                                             alpha=scale * LOG2E).exp2_()
+                    ds = torch.bmm(g_i, v_i.transpose(-1, -2), out=ds_buf[:n]).sub_(row).mul_(p)
                     torch.mul(torch.bmm(ds, k_i), scale, out=dq[hs, i])
-                    dk_run[hs, window].add_(torch.bmm(ds.transpose(-1, -2), q_i), alpha=scale)
-                    dv_run[hs, window].add_(torch.bmm(p.transpose(-1, -2), g_i))
+                    dk_run[hs, window].add_(torch.bmm(ds.transpose(-1, -2), q_i, out=kv_buf[:n]), alpha=scale)
+                    dv_run[hs, window].add_(torch.bmm(p.transpose(-1, -2), g_i, out=kv_buf[:n]))
             if not inside:  # the padded copy's gradients onto the keys they copied
                 dk[:, lo:hi] += dk_run[:, lo - start:hi - start]
                 dv[:, lo:hi] += dv_run[:, lo - start:hi - start]
@@ -611,7 +618,7 @@ def to_frame(q, k, v, key_mask):
 
     Queries are the last Lq positions and keys the last Lk (the causal
     alignment of ``attnzoo.masks``); missing keys are padding. Returns
-    ``(q, k, v, key_valid (B, N) or None, Lq)``; slice outputs with ``[:, :, -Lq:]``.
+    ``(q, k, v, key_valid (B, N) or None, Lq)``; take outputs' last Lq rows by :func:`last_rows`.
     """
     B, Lq, Lk = q.shape[0], q.shape[2], k.shape[2]
     N = max(Lq, Lk)
@@ -622,6 +629,13 @@ def to_frame(q, k, v, key_mask):
     if Lq < N:
         q = pad_to(q, N, front=N - Lq)
     return q, k, v, key_mask, Lq
+
+
+def last_rows(out: torch.Tensor, Lq: int) -> torch.Tensor:
+    """``out[:, :, -Lq:]``, or ``out`` itself where it has Lq rows: a slice's backward fills a
+    zero gradient of the whole and copies into it, where self-attention has nothing to cut
+    (local's training step at L = 4096: an 8 MiB fill and copy)."""
+    return out if out.shape[2] == Lq else out[:, :, -Lq:]
 
 
 def pattern_reference(pattern):

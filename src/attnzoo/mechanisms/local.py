@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.mechanisms._common import (
+    last_rows,
     pattern_reference,
     softmax_scale,
     to_frame,
@@ -49,7 +50,7 @@ def local_attention(q, k, v, opts=LocalOptions(), *, causal=False, key_mask=None
     o, _ = window_partial(q_, k_, v_, key_valid, block=_block(opts), left=left, right=right,
                           allowed=lambda i, j: (j >= i - left) & (j <= i + right),
                           scale=softmax_scale(q, scale))
-    return o[:, :, -Lq:].to(q.dtype)
+    return last_rows(o, Lq).to(q.dtype)
 
 
 def _block(opts: LocalOptions) -> int:

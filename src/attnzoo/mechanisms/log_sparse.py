@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo._pages import Scratch, fresh_empty, fresh_like, scratch_buffer
-from attnzoo.mechanisms._common import SCORES_PER_CHUNK, pattern_reference, softmax_scale, to_frame
+from attnzoo.mechanisms._common import SCORES_PER_CHUNK, last_rows, pattern_reference, softmax_scale, to_frame
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -74,7 +74,7 @@ def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_
         out = plan.forward(q, k, v)  # through autograd
     else:
         out = _OffsetAttention.apply(q, k, v, plan)
-    return out[:, :, -Lq:]
+    return last_rows(out, Lq)
 
 
 class _Offsets:

@@ -25,6 +25,7 @@ from attnzoo.mechanisms._common import (
     fused_kernel_fits,
     fused_partial,
     join_blocks,
+    last_rows,
     merge_partials,
     needs_grad,
     pad_to,
@@ -235,7 +236,7 @@ def strided_attention(q, k, v, opts=StridedOptions(), *, causal=False, key_mask=
         lambda q, k, v: _strided_a1(q, k, v, key_valid, l, causal),
         lambda q, k, v, own: _strided_a2(q, k, v, key_valid, l, causal, own),
     )
-    return out[:, :, -Lq:]
+    return last_rows(out, Lq)
 
 
 def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None, scale=None,
@@ -256,7 +257,7 @@ def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None
         lambda q, k, v: _fixed_a1(q, k, v, key_valid, l, causal, s),
         lambda q, k, v, own: _fixed_a2(q, k, v, key_valid, l, c, causal, own, s),
     )
-    return out[:, :, -Lq:]
+    return last_rows(out, Lq)
 
 
 def _by_heads(H, flops_a1, flops_a2, heads):
