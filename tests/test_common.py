@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from attnzoo.mechanisms import _common
-from attnzoo.mechanisms._common import FewQueries, exp_, minus_inf_where_not_, partial_softmax, window_partial
+from attnzoo.mechanisms._common import (
+    FewKeys,
+    FewQueries,
+    exp_,
+    few_keys_attention,
+    minus_inf_where_not_,
+    partial_softmax,
+    window_partial,
+)
 from attnzoo.mechanisms.full import softmax_reference
 
 
@@ -130,3 +138,33 @@ def test_few_queries_backward_matches_the_reference(monkeypatch, masked):
     small = [t[:1, :2, :9].detach().requires_grad_() for t in (q, k, v)]
     small_valid = None if valid is None else valid[:1, :2, :, :9]
     assert torch.autograd.gradcheck(lambda *t: FewQueries.apply(*t, small_valid, 0.5)[0], small)
+
+
+def test_few_keys_in_pieces_matches_the_reference(monkeypatch):
+    """FewKeys' pieces (forward and backward) against the plain softmax's in float64: q laid out
+    as a layer's (a view of (B, L, H, D)), 101 queries in pieces of 5 rows (the last partial),
+    B and H > 1; the output and dq laid out (B, L, H, ·) so that the layer's merge is a view;
+    few_keys_attention takes the pieces from WHOLE_BYTES_MAX on, one SDPA call below; gradcheck."""
+    monkeypatch.setattr(_common, "KEYS_PIECE", 2 * 3 * 8 * 5)  # B·H·Dv·5: 5 rows a piece
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 101, 3, 8, dtype=torch.float64, generator=g).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 3, 7, 8, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    calls = []
+    monkeypatch.setattr(FewKeys, "apply", lambda *a, apply=FewKeys.apply: calls.append(1) or apply(*a))
+    monkeypatch.setattr(_common, "WHOLE_BYTES_MAX", q.shape[2] * 2 * 3 * 8 * 8 + 1)
+    out = few_keys_attention(q, k, v, 0.4)
+    assert not calls
+    monkeypatch.setattr(_common, "WHOLE_BYTES_MAX", q.shape[2] * 2 * 3 * 8 * 8)
+    out = few_keys_attention(q, k, v, 0.4)
+    assert calls
+    assert out.transpose(1, 2).is_contiguous()
+    expected = softmax_reference(q, k, v, None, 0.4)
+    torch.testing.assert_close(out, expected, atol=1e-14, rtol=1e-12)
+    grad = torch.randn(out.shape, dtype=out.dtype, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-12)
+    assert grads[0].transpose(1, 2).is_contiguous()
+    small = [t[:1, :2, :11].detach().requires_grad_() for t in (q, k, v)]
+    monkeypatch.setattr(_common, "KEYS_PIECE", 2 * 8 * 4)  # 4 rows a piece
+    assert torch.autograd.gradcheck(lambda *t: FewKeys.apply(*t, 0.5)[0], small)

@@ -376,10 +376,12 @@ def _add_row_map_input_grad(dx, P, g, x):
 
 
 def _row_map_grad(P, g, x):
-    """d P of P x: g xᵀ, summed over the batch where P (p, L) is shared by it."""
+    """d P of P x: g xᵀ, summed over the batch where P (p, L) is shared by it, into
+    :func:`~attnzoo._pages.fresh_empty` memory (linformer's dE and dF at L = 16384: 16 MiB each,
+    faulted in afresh on every training step in torch's)."""
     if P.dim() == 3:
-        return g @ x.transpose(1, 2)  # (B, p, L)
-    dP = g[0] @ x[0].t()  # (p, L)
+        return torch.matmul(g, x.transpose(1, 2), out=fresh_empty(*P.shape, like=g))  # (B, p, L)
+    dP = torch.mm(g[0], x[0].t(), out=fresh_empty(*P.shape, like=g))  # (p, L)
     for b in range(1, x.shape[0]):
         dP.addmm_(g[b], x[b].t())
     return dP

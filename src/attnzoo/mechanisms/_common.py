@@ -190,6 +190,74 @@ def few_queries_attention(q, k, v, valid, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scale)
 
 
+WHOLE_BYTES_MAX = 32 * 2**20  # few_keys_attention's outputs from this size on go in pieces (FewKeys)
+KEYS_PIECE = 2**19  # outputs (all batches and heads) of one piece of FewKeys: 2 MiB in float32
+
+
+class FewKeys(torch.autograd.Function):
+    """softmax(Q Kᵀ·s) V for Lq >> n queries over n keys (nystrom's landmark keys, linformer's
+    projected ones), by torch's fused CPU kernel (forward and backward) on pieces of about
+    KEYS_PIECE outputs, each written into its place in one result: in
+    :func:`~attnzoo._pages.fresh_empty` memory laid out as (B, Lq, H, Dv), as SDPA lays out its
+    own, so that a layer's merge of the heads stays a view; dq likewise, dK and dV summed over
+    the pieces. SDPA's result at Lq = 16384, 8 heads of 64 (32 MiB: past glibc's largest heap
+    block, so mapped afresh by the OS on every call) and its backward's were faulted in 4 KiB
+    at a time: ~16k page faults a forward, ~32k a training step (nystrom's kernel 1 alone:
+    fwd 52.8 -> 42.4 ms, with backward 157-221 -> 136-157 ms; in the layer, nystrom's forward
+    269 -> 259 ms, linformer's training step 459 -> 446). Below WHOLE_BYTES_MAX one SDPA call
+    is faster (the pieces' copies: ~1 ms a forward at Lq = 4096), see
+    :func:`few_keys_attention`. Needs :func:`fused_kernel_fits`."""
+
+    @staticmethod
+    def forward(q, k, v, scale):
+        (B, H, Lq, _), Dv = q.shape, v.shape[-1]
+        out = fresh_empty(B, Lq, H, Dv, like=v).transpose(1, 2)  # (B, H, Lq, Dv)
+        lse = q.new_empty(B, H, Lq)
+        for rows in _pieces(q, Dv):
+            o, lse[:, :, rows] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, rows], k, v, scale=scale)[:2]
+            out[:, :, rows] = o
+        return out, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (apart from forward: torch.func's transforms need it)
+        q, k, v, ctx.scale = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g, _):
+        q, k, v, out, lse = ctx.saved_tensors
+        B, H, Lq, D = q.shape
+        dq = fresh_empty(B, Lq, H, D, like=q).transpose(1, 2)  # (B, H, Lq, D)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        for rows in _pieces(q, v.shape[-1]):
+            dq[:, :, rows], dk_p, dv_p = backward(g[:, :, rows], q[:, :, rows], k, v, out[:, :, rows],
+                                                  lse[:, :, rows], 0.0, False, scale=ctx.scale)
+            dk += dk_p
+            dv += dv_p
+        return dq, dk, dv, None
+
+
+def _pieces(q: torch.Tensor, Dv: int) -> list[slice]:
+    """FewKeys' pieces of q's rows: about KEYS_PIECE outputs each."""
+    B, H, Lq = q.shape[:3]
+    n = max(1, KEYS_PIECE // (B * H * Dv))
+    return [slice(a, a + n) for a in range(0, Lq, n)]
+
+
+def few_keys_attention(q, k, v, scale):
+    """softmax(q kᵀ·scale) v (B, H, Lq, Dv) for many queries over few keys, every key: by
+    :class:`FewKeys` where the fused kernel fits and the output is WHOLE_BYTES_MAX or more,
+    else by one SDPA call."""
+    large = q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] * v.element_size() >= WHOLE_BYTES_MAX
+    if large and fused_kernel_fits(q, k, v):
+        return FewKeys.apply(q, k, v, scale)[0]
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
 class _LogSumExp(torch.autograd.Function):
     """lse of the rows of ``scores`` whose softmax is ``p``: m − log(max p), with gradient p
     (the scores themselves are not kept for the backward; p is, by the softmax anyway)."""

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnzoo.mechanisms._common import few_keys_attention, softmax_scale
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, attention, register
 
@@ -64,13 +65,14 @@ def linformer_attention(q, k, v, opts=LinformerOptions(), *, causal=False, key_m
 
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
     Cost O(Lk·proj_len·D + Lq·proj_len·D) time, O(L·proj_len) memory at most (the
-    projected attention runs in SDPA's fused kernel). Padded keys and values are
-    zeroed before projecting. Non-causal only: every projected row mixes all
-    positions. Wang et al., Linformer: Self-Attention with Linear Complexity, 2020.
+    projected attention runs in SDPA's fused kernel: :func:`few_keys_attention`).
+    Padded keys and values are zeroed before projecting. Non-causal only: every
+    projected row mixes all positions. Wang et al., Linformer: Self-Attention with
+    Linear Complexity, 2020.
     """
     E, F_ = projections(opts, k.shape[2], k, generator)
     EK, FV = _project(E, F_, k, v, key_mask)
-    return F.scaled_dot_product_attention(q, EK, FV, scale=scale)
+    return few_keys_attention(q, EK, FV, softmax_scale(q, scale))
 
 
 def linformer_reference(q, k, v, opts=LinformerOptions(), *, causal=False, key_mask=None,
@@ -111,7 +113,8 @@ class LinformerLayerOptions:
         Of the keys' and values' projections only proj_len rows are computed, not Lk: at
         Lk = 16384, proj_len 256 and d_model 512 the layer's forward needs 1/3 fewer FLOPs.
         Training self-attention takes q, E X and F X from one function, whose backward sums
-        x's three gradients in place; otherwise the queries go through
+        x's three gradients in place, and attends by :func:`few_keys_attention`; otherwise
+        the queries go through
         ``layer.in_query_blocks`` (each query attends to the same proj_len keys). Padded keys
         are zeroed before projecting, as in :func:`linformer_attention`: E's columns of
         padding are zeroed instead.
@@ -132,7 +135,8 @@ class LinformerLayerOptions:
         k, v = (layer._split(_linear_of_rows(P, PX_, proj)) for P, PX_, proj in
                 ((row_maps[0], PX[0], layer.k_proj), (row_maps[-1], PX[-1], layer.v_proj)))
         if fused:
-            return layer._merge(attention(layer._split(q), k, v, mechanism="full"))
+            q = layer._split(q)
+            return layer._merge(few_keys_attention(q, k, v, softmax_scale(q, None)))
         return layer.in_query_blocks(x, lambda rows: attention(
             layer._split(_project(rows, [layer.q_proj])[0]), k, v, mechanism="full"))
 

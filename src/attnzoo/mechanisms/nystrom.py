@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from attnzoo._pages import fresh_empty
 from attnzoo.masks import zero_empty_rows
-from attnzoo.mechanisms._common import few_queries_attention, softmax_scale
+from attnzoo.mechanisms._common import few_keys_attention, few_queries_attention, softmax_scale
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -124,10 +123,11 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
 
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
     Cost O(L·m·D + m³) time, O(L·m) memory at most: the two outer kernels run as
-    SDPA (landmark queries over the keys; queries over the landmark keys), never an
-    L×L matrix. Padded keys take no part (in the landmarks or the softmax). With
-    m >= L the landmarks are Q and K and the result is full attention up to the
-    pseudo-inverse's convergence. Non-causal. Xiong et al., AAAI 2021.
+    SDPA (landmark queries over the keys, :func:`few_queries_attention`; queries over
+    the landmark keys, :func:`few_keys_attention`), never an L×L matrix. Padded keys
+    take no part (in the landmarks or the softmax). With m >= L the landmarks are Q
+    and K and the result is full attention up to the pseudo-inverse's convergence.
+    Non-causal. Xiong et al., AAAI 2021.
     """
     s = softmax_scale(q, scale)
     q_l, k_l = _landmarks(q, k, opts, key_mask)  # (B, H, m, D)
@@ -135,7 +135,7 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
     kernel_3 = few_queries_attention(q_l, k, v, mask, s)  # (B, H, m, Dv): kernel_3 V
     kernel_2 = torch.softmax((q_l @ k_l.transpose(-1, -2)) * s, -1)  # (B, H, m, m)
     middle = pinv_times(kernel_2, kernel_3, opts.pinv_iterations)  # (B, H, m, Dv)
-    out = F.scaled_dot_product_attention(q, k_l, middle, scale=s)
+    out = few_keys_attention(q, k_l, middle, s)  # (B, H, Lq, Dv): kernel_1 middle
     return zero_empty_rows(out, causal=False, key_mask=key_mask, Lk=k.shape[2])
 
 
