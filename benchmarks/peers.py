@@ -17,7 +17,8 @@ times forwards under no_grad and forward+backward (inputs and parameters require
 grad, ``out.backward(g)`` for a fixed g), after one warm-up call, and reads the peak
 extra resident memory of a call the way ``attnzoo bench`` does (VmHWM reset after
 gc + malloc_trim, minus VmRSS before; see attnzoo.bench.measure), over MEMORY_CALLS
-calls where a call is cheap, else one (:func:`peak_memories`). Times are medians
+calls where a call is cheap, else one (:func:`peak_memories`), before the timed calls
+and one untimed call (:func:`measure_side`). Times are medians
 over every timed call of every round; memory is the median over every memory call of
 every round. With ``--cheap-rounds N`` a cell whose processes each took under CHEAP_S
 seconds gets N rounds: this machine's speed differs from process to process, and more
@@ -323,8 +324,12 @@ def peak_memories(fn, first_s: float) -> list[int]:
 
 
 def measure_side(case: Case, repeats: int, backward: bool) -> dict:
-    """Warm-up, memory calls (:func:`peak_memories`), at least `repeats` timed calls
-    (:func:`calls_for`); forward (no grad) then forward+backward."""
+    """Warm-up, memory calls (:func:`peak_memories`), one call more, at least `repeats` timed
+    calls (:func:`calls_for`); forward (no grad) then forward+backward. The call between the
+    memory calls and the timed ones lets the heap grow back: each memory call begins with
+    malloc_trim(0), which hands glibc's free memory to the OS, and the calls after the last
+    were faulted in afresh (linformer's training step at 4096: 6479, 2525, then 0 page faults;
+    the median call was the second)."""
     out: dict = {}
     with torch.no_grad():
         first = timings(case.fwd, 1)[0]
@@ -332,6 +337,7 @@ def measure_side(case: Case, repeats: int, backward: bool) -> dict:
         if first > CALL_LIMIT_S:
             return {**out, "status": f"first forward took {first:.0f} s"}
         out["fwd_peak_bytes"] = peak_memories(case.fwd, first)
+        case.fwd()
         out.update(timed_calls(case.fwd, calls_for(first, repeats), "fwd"))
     if not backward:
         return {**out, "status": "ok"}
@@ -347,6 +353,7 @@ def measure_side(case: Case, repeats: int, backward: bool) -> dict:
     if first > CALL_LIMIT_S:
         return {**out, "status": "ok", "bwd_status": f"first forward+backward took {first:.0f} s"}
     out["fwdbwd_peak_bytes"] = peak_memories(fwd_bwd, first)
+    fwd_bwd()
     out.update(timed_calls(fwd_bwd, calls_for(first, repeats), "fwdbwd"))
     return {**out, "status": "ok", "bwd_status": "ok"}
 
@@ -619,7 +626,8 @@ def report(doc: dict) -> str:
         "",
         f"Shape: B={B}, H={H}, D={D}, float32; module pairs on x (B, L, {D_MODEL}). Each side runs in a "
         f"fresh process, the side that goes first alternating from cell to cell, {doc['rounds']} round(s)"
-        f"{_more_rounds(doc)}{_interleaved(doc)} of {doc['repeats']} timed calls after a warm-up"
+        f"{_more_rounds(doc)}{_interleaved(doc)} of {doc['repeats']} timed calls after a warm-up, the memory "
+        f"calls and one more untimed call"
         f"{_more_calls(doc)}; times are "
         f"medians of all timed calls, memory is the peak extra resident memory of a call (median over "
         f"{MEMORY_CALLS} calls a process where a call takes under {MEMORY_CALL_S:g} s, else one, and over "

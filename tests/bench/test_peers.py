@@ -157,6 +157,20 @@ def test_memory_is_the_median_of_every_memory_call(monkeypatch):
     assert peers.merge(runs)["fwd_mib"] == 5.0
 
 
+def test_timed_calls_come_after_a_call_that_follows_the_memory_calls(monkeypatch):
+    """The memory calls trim glibc's heap (malloc_trim): one untimed call lets it grow back
+    before the timed calls, forward and forward+backward."""
+    events = []
+    monkeypatch.setattr(peers, "peak_memories", lambda fn, first_s: events.append("memory") or [])
+    monkeypatch.setattr(peers, "timed_calls",
+                        lambda fn, n, key: events.append("timed") or {f"{key}_s": [0.1]})
+    x = torch.ones(3, requires_grad=True)
+    case = peers.Case(lambda: events.append("call") or x * 2, [x])
+    assert peers.measure_side(case, repeats=1, backward=True)["bwd_status"] == "ok"
+    # warm-up, memory, one call, timed; the gradient's shape from a call; the same with backward
+    assert events == ["call", "memory", "call", "timed", "call", "call", "memory", "call", "timed"]
+
+
 def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
     """Round r of every cell before round r + 1 of any; cheap cells' extra rounds after both;
     the report after each pass says it is partial, the last one not."""
