@@ -600,7 +600,7 @@ class _Band:
                   for t in (k_flat, v_flat))
         heads = max(1, SCORES_PER_CHUNK // 2 // (block * self.span))  # heads at a time
         p_buf, ds_buf = (qb.new_empty(min(heads, BH), block, self.span) for _ in range(2))
-        kv_buf = qb.new_empty(min(heads, BH), self.span, v_flat.shape[-1])
+        kv_buf = qb.new_empty(min(heads, BH), self.span, v_flat.shape[-1])  # dK's and dV's (fused: Dv = D)
         scale = self.fused_scale
         for a, b, mask in self._runs(q_flat.dtype):
             kb, vb = self._windows(k_flat, a, b), self._windows(v_flat, a, b)  # (B·H, b − a, span, ·)
@@ -616,7 +616,7 @@ class _Band:
                     q_i, g_i = qb[hs, i], gb[hs, i]  # (h, block, ·)
                     k_i, v_i = kb[hs, i - a], vb[hs, i - a]  # (h, span, ·)
                     row = torch.linalg.vecdot(g_i, ob[hs, i]).unsqueeze(-1)  # rowsum(dO ⊙ O) (h, block, 1)
-                    n = q_i.shape[0]  # (p, ds: (n, block, span))
+                    n = q_i.shape[0]  # heads this step (the last may have fewer)
                     p = torch.sub(bias, lse2[hs, i], out=p_buf[:n]).baddbmm_(q_i, k_i.transpose(-1, -2),
                                                                              alpha=scale * LOG2E).exp2_()
                     ds = torch.bmm(g_i, v_i.transpose(-1, -2), out=ds_buf[:n]).sub_(row).mul_(p)
