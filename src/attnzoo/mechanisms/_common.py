@@ -203,7 +203,7 @@ class FewKeys(torch.autograd.Function):
     the pieces. SDPA's result at Lq = 16384, 8 heads of 64 (32 MiB: past glibc's largest heap
     block, so mapped afresh by the OS on every call) and its backward's were faulted in 4 KiB
     at a time: ~16k page faults a forward, ~32k a training step (nystrom's kernel 1 alone:
-    fwd 52.8 -> 42.4 ms, with backward 157-221 -> 136-157 ms; in the layer, nystrom's forward
+    fwd 52.8-56.0 -> 42.4 ms, with backward 157-221 -> 136 ms; in the layer, nystrom's forward
     269 -> 259 ms, linformer's training step 459 -> 446). Below WHOLE_BYTES_MAX one SDPA call
     is faster (the pieces' copies: ~1 ms a forward at Lq = 4096), see
     :func:`few_keys_attention`. Needs :func:`fused_kernel_fits`."""
