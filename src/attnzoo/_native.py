@@ -88,15 +88,8 @@ def _flag_sets() -> list[list[str]]:
 def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
     """The kernels built for (real, dk, dv), from the cache or compiled now; None where it fails."""
     defines = [f"-DREAL={real}", f"-DDK={dk}", f"-DDV={dv}"]
-    user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
     for flags in _flag_sets():
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *flags, *defines, _cpu()]).encode())
-        name = f"kernels_{real}_{dk}x{dv}_{key.hexdigest()[:16]}.so"
-        for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"attnzoo{user}"):
-            target = folder / name  # (the temporary folder where the cache cannot be written)
-            failure = None if target.exists() else _build(cc, flags, defines, target)
-            if failure is None:
-                break
+        target, failure = _built(cc, flags, defines, f"kernels_{real}_{dk}x{dv}")
         if failure is None:
             break
     else:  # a compiler that fails is worth a word: the same results come, several times slower
@@ -129,6 +122,21 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = argtypes, (ctypes.c_int if returns_int else None)
     lib.splits_heads = bool(lib.parallel_build())
     return lib
+
+
+def _built(cc: str, flags: list[str], defines: list[str], stem: str) -> tuple[Path, str | None]:
+    """The library of these flags, under a name that hashes them, the source and the CPU: from
+    the cache, or built now into it or, where the cache cannot be written, into the temporary
+    folder; with why it did not build (a line), else None."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *flags, *defines, _cpu()]).encode())
+    name = f"{stem}_{key.hexdigest()[:16]}.so"
+    user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"attnzoo{user}"):
+        target = folder / name
+        failure = None if target.exists() else _build(cc, flags, defines, target)
+        if failure is None:
+            break
+    return target, failure
 
 
 def _build(cc: str, flags: list[str], defines: list[str], target: Path) -> str | None:
