@@ -256,13 +256,14 @@ PAIRS: dict[str, Pair] = {
     "performer_causal": Pair("performer", True, performer_fast(True),
                              "performer-pytorch FastAttention causal (its CPU path)",
                              "256 orthogonal features, drawn once", options=PERFORMER),
-    "local": Pair("local", False, local_attention(False), "local-attention LocalAttention",
-                  "peer: window_size 256, one block back and forward = 768 keys a query; ours: window 768",
-                  options=dict(window=768)),
-    "local_causal": Pair("local", True, local_attention(True),
-                         "local-attention LocalAttention causal",
-                         "peer: window_size 256, look back 1 block = 257–512 keys, 384 on average; "
-                         "ours: window 384", options=dict(window=384)),
+    "block_local": Pair("block_local", False, local_attention(False), "local-attention LocalAttention",
+                        "window_size 256, one block back and one forward: each block of 256 queries "
+                        "sees the 768 keys of its own and its neighbours, on both sides",
+                        options=dict(window=256)),
+    "block_local_causal": Pair("block_local", True, local_attention(True),
+                               "local-attention LocalAttention causal",
+                               "window_size 256, one block back: 257–512 keys a query, on both sides",
+                               options=dict(window=256)),
     "nystrom": Pair("nystrom", False, nystrom_module, "nystrom-attention NystromAttention",
                     "256 landmarks, 6 pinv iterations, d_model 512, 8 heads, whole module "
                     "(the peer adds a depthwise residual conv of 33 taps); as the peer's, no "
@@ -282,6 +283,8 @@ PAIRS: dict[str, Pair] = {
     "strided_causal": Pair("strided", True, None),
     "fixed": Pair("fixed", False, None),
     "fixed_causal": Pair("fixed", True, None),
+    "local": Pair("local", False, None, options=dict(window=768)),  # sliding: 769 keys a query
+    "local_causal": Pair("local", True, None, options=dict(window=384)),
     "lsh_causal": Pair("lsh", True, None, shared_qk=True),
     "linformer_core": Pair("linformer", False, None),
     "nystrom_core": Pair("nystrom", False, None, options=dict(num_landmarks=256)),

@@ -27,6 +27,7 @@ from attnzoo.bench.measure import Shape, make_inputs  # noqa: E402
 # Options that make the defaults visible at a small length; --option overrides them.
 ILLUSTRATION = {
     "local": {"window": 8},
+    "block_local": {"window": 8},
     "lsh": {"bucket_size": 8},
     "linformer": {"proj_len": 16},
     "performer": {"nb_features": 32},
@@ -36,7 +37,7 @@ ILLUSTRATION = {
 
 def _options(name: str, length: int, given: dict) -> dict:
     opts = {**ILLUSTRATION.get(name, {}), **given.get(name, {})}
-    if name == "local":
+    if name in ("local", "block_local"):
         opts["window"] = min(opts["window"], length)
     return opts
 

@@ -9,6 +9,7 @@ from attnzoo.mechanisms import log_sparse  # noqa: F401  isort: skip
 from attnzoo.mechanisms import lsh  # noqa: F401  isort: skip
 from attnzoo.mechanisms import sparse_transformer  # noqa: F401  isort: skip
 from attnzoo.mechanisms import local  # noqa: F401  isort: skip
+from attnzoo.mechanisms import block_local  # noqa: F401  isort: skip
 from attnzoo.mechanisms import efficient  # noqa: F401  isort: skip
 from attnzoo.mechanisms import linear  # noqa: F401  isort: skip
 from attnzoo.mechanisms import taylor  # noqa: F401  isort: skip

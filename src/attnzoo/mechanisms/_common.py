@@ -547,11 +547,12 @@ class _Band:
         the groups of :func:`attend_blocks`, with q scaled).
 
         The blocks whose window lies inside the sequence share one relative band, so one small
-        additive mask serves them all, and their key windows are a strided view of the keys (no
-        copy); the few at either end get a mask each (SDPA's kernel takes only 4-D masks of the
-        query's dtype) and windows of a zero-padded copy of their keys (:meth:`_windows`).
-        Padded queries past L see the padded keys too, so that no row is empty (the kernel
-        gives such rows lse 0); their results are discarded.
+        additive mask serves them all (none where it allows every key, as block_local's
+        two-sided windows: ~7 % of the kernel's time), and their key windows are a strided
+        view of the keys (no copy); the few at either end get a mask each (SDPA's kernel
+        takes only 4-D masks of the query's dtype) and windows of a zero-padded copy of their
+        keys (:meth:`_windows`). Padded queries past L see the padded keys too, so that no row
+        is empty (the kernel gives such rows lse 0); their results are discarded.
 
         The kernel runs on pieces of about BAND_PIECE outputs (all heads), each copied into its
         place in one result: the kernel's own result for all the blocks at once, a fresh
@@ -565,11 +566,14 @@ class _Band:
         lse = q_flat.new_empty(qb.shape[:3])  # (B·H, nb, block)
         step = max(1, BAND_PIECE // (qb.shape[0] * self.block * v_flat.shape[-1]))  # query blocks a piece
         for a, b, mask in self._runs(q_flat.dtype):
+            shared = mask.shape[1] == 1
+            if shared and not bool(mask.any()):  # every window key allowed (block_local): no mask
+                mask = None
             for s in range(a, b, step):
                 e = min(b, s + step)
                 o[:, s:e], lse[:, s:e] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     qb[:, s:e], self._windows(k_flat, s, e), self._windows(v_flat, s, e),
-                    attn_mask=mask if mask.shape[1] == 1 else mask[:, s - a:e - a],
+                    attn_mask=mask if shared else mask[:, s - a:e - a],
                     scale=self.fused_scale)[:2]
         B, H = self.bh.shape[:2]
         return o.view(B, H, self.Lp, -1), lse.view(B, H, self.Lp)

@@ -1,0 +1,67 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnzoo
+from attnzoo.mechanisms import _common
+
+from mechanism_checks import cases, check_against_reference, check_gradcheck
+
+block_local_cases = cases(window=st.integers(1, 9), look_backward=st.integers(0, 2),
+                          look_forward=st.none() | st.just(0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_local_cases)
+def test_block_local_matches_reference(case):
+    check_against_reference("block_local", **case)
+
+
+@pytest.mark.parametrize("scores_per_chunk", [2**20, 20])  # backward: all heads at once, one by one
+def test_block_local_fused_and_in_groups(monkeypatch, scores_per_chunk):
+    """Without padding keys the fused SDPA band (forward and backward), with them the groups of
+    query blocks; ragged last block, one block only, look forward by two."""
+    monkeypatch.setattr(_common, "SCORES_PER_CHUNK", scores_per_chunk)
+    for Lq, Lk, masked, causal, options in [
+            (37, 37, False, False, {"window": 5}), (37, 37, False, True, {"window": 8}),
+            (6, 6, False, False, {"window": 12}), (19, 29, True, True, {"window": 4, "look_backward": 2}),
+            (29, 29, True, False, {"window": 3, "look_backward": 0, "look_forward": 2})]:
+        check_against_reference("block_local", Lq=Lq, Lk=Lk, causal=causal, masked=masked, options=options)
+
+
+def test_block_local_one_block_equals_full():
+    for causal in (False, True):
+        a = check_against_reference("block_local", Lq=13, Lk=13, causal=causal, masked=True,
+                                    options={"window": 13}, backward=False)
+        b = check_against_reference("full", Lq=13, Lk=13, causal=causal, masked=True, backward=False)
+        torch.testing.assert_close(a, b)
+
+
+def test_block_local_connectivity_by_hand():
+    # blocks {0, 1}, {2, 3}, {4}: as local-attention's LocalAttention(window_size=2)
+    two_sided = attnzoo.connectivity("block_local", length=5, causal=False, window=2).int()
+    assert two_sided.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1],
+                                  [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
+    causal = attnzoo.connectivity("block_local", length=5, causal=True, window=2).int()
+    assert causal.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0],
+                               [1, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
+    own_block = attnzoo.connectivity("block_local", length=4, causal=False, window=2,
+                                     look_backward=0, look_forward=0)
+    assert own_block.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+def test_block_local_gradcheck():
+    check_gradcheck("block_local", causal=True, masked=True, options={"window": 2})
+    check_gradcheck("block_local", Lq=4, Lk=6, options={"window": 3})
+    check_gradcheck("block_local", Lq=6, Lk=6, options={"window": 2, "look_backward": 0})
+
+
+def test_block_local_bad_options():
+    with pytest.raises(ValueError, match="window"):
+        attnzoo.get("block_local").options(window=0)
+    with pytest.raises(ValueError, match="look_backward"):
+        attnzoo.get("block_local").options(look_backward=-1)
+    q = torch.randn(1, 1, 4, 2)
+    with pytest.raises(ValueError, match="cannot look forward"):
+        attnzoo.attention(q, q, q, mechanism="block_local", causal=True, look_forward=1)
