@@ -60,6 +60,7 @@ TIMED_S, MAX_REPEATS = 1.0, 15  # fast calls are repeated up to about TIMED_S of
 CHEAP_S = 20.0  # a cell whose every process took less gets --cheap-rounds rounds (see cell_rounds)
 MEMORY_CALLS = 3  # memory calls a process makes where its first call took under MEMORY_CALL_S
 MEMORY_CALL_S = 1.0
+AGREE_RTOL = 1e-4  # float32 outputs of one function agree to this share of their largest entry
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Pair:
     scope: str = "core"  # "core": attention on q, k, v; "module": projections included, on x (B, L, 512)
     options: dict = field(default_factory=dict)  # ours; a callable value is called with L
     shared_qk: bool = False  # core: k is q (one leaf), and the mechanism's shared_qk option is set
+    same_output: bool = False  # the peer computes the same function of the same inputs: checked (agreement)
+    peer_factor: float = 1.0  # the peer's output is this multiple of ours (where same_output)
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -232,8 +235,9 @@ PEER_BIASES = dict(bias=False, out_bias=True)
 # ---------------------------------------------------------------------------- pairs
 
 PAIRS: dict[str, Pair] = {
-    "full": Pair("full", False, sdpa(False), "torch SDPA", "softmax attention"),
-    "full_causal": Pair("full", True, sdpa(True), "torch SDPA is_causal", "causal softmax attention"),
+    "full": Pair("full", False, sdpa(False), "torch SDPA", "softmax attention", same_output=True),
+    "full_causal": Pair("full", True, sdpa(True), "torch SDPA is_causal", "causal softmax attention",
+                        same_output=True),
     "prob_sparse": Pair("prob_sparse", False, informer(False),
                         "Informer official ProbAttention (re-implemented)",
                         "factor 5, official arithmetic (sum/Lk, mean(V))",
@@ -259,22 +263,25 @@ PAIRS: dict[str, Pair] = {
     "block_local": Pair("block_local", False, local_attention(False), "local-attention LocalAttention",
                         "window_size 256, one block back and one forward: each block of 256 queries "
                         "sees the 768 keys of its own and its neighbours, on both sides",
-                        options=dict(window=256)),
+                        options=dict(window=256), same_output=True),
     "block_local_causal": Pair("block_local", True, local_attention(True),
                                "local-attention LocalAttention causal",
                                "window_size 256, one block back: 257–512 keys a query, on both sides",
-                               options=dict(window=256)),
+                               options=dict(window=256), same_output=True),
     "nystrom": Pair("nystrom", False, nystrom_module, "nystrom-attention NystromAttention",
                     "256 landmarks, 6 pinv iterations, d_model 512, 8 heads, whole module "
                     "(the peer adds a depthwise residual conv of 33 taps); as the peer's, no "
                     "biases on q, k, v, one on the output", scope="module",
                     options=dict(num_landmarks=256, **PEER_BIASES)),
     "efficient": Pair("efficient", False, lat_linear, "linear-attention-transformer linear_attn",
-                      "softmax of q over features, of k over positions"),
+                      "softmax of q over features, of k over positions; the peer then multiplies by "
+                      "D^-0.5 (not in the paper), so its output is ours × D^-0.5",
+                      same_output=True, peer_factor=D**-0.5),
     "linear": Pair("linear", False, fast_transformers("linear"),
-                   "fast-transformers LinearAttention (C++ build)", "elu + 1 features"),
+                   "fast-transformers LinearAttention (C++ build)", "elu + 1 features", same_output=True),
     "linear_causal": Pair("linear", True, fast_transformers("causal"),
-                          "fast-transformers CausalLinearAttention (C++ kernel)", "elu + 1 features"),
+                          "fast-transformers CausalLinearAttention (C++ kernel)", "elu + 1 features",
+                          same_output=True),
     "taylor": Pair("taylor", False, None),
     "taylor_causal": Pair("taylor", True, None),
     "log_sparse": Pair("log_sparse", False, None),
@@ -373,6 +380,24 @@ def child(pair: str, side: str, L: int, repeats: int, backward: bool, threads: i
         if "alloc" in str(err).lower() or isinstance(err, MemoryError):
             return {"status": "out of memory (20 GiB address-space cap)"}
         raise
+
+
+def agreement(pair: Pair, L: int) -> dict:
+    """How far our forward (times ``peer_factor``) is from the peer's on the same inputs at
+    length L, for a pair whose peer computes the same function (``same_output``): max |ours −
+    peer| and max |peer|, or the status where the peer is not installed. In the calling
+    process, outside any timing."""
+    torch.manual_seed(0)
+    try:
+        peer = pair.peer(L)
+    except ImportError as err:
+        return {"status": f"not installed: {err.name}"}
+    with torch.no_grad():
+        ours, theirs = ours_case(pair, L).fwd() * pair.peer_factor, peer.fwd()
+    if theirs.shape != ours.shape:  # fast-transformers' (B, L, H, D)
+        theirs = theirs.transpose(1, 2)
+    return {"status": "ok", "L": L, "max_abs_diff": (ours - theirs).abs().max().item(),
+            "max_abs": theirs.abs().max().item()}
 
 
 # ---------------------------------------------------------------------------- parent
@@ -474,6 +499,7 @@ def main_parent(args) -> None:
            "machine": machine(args.threads), "lengths": args.lengths, "repeats": args.repeats,
            "timed_s": TIMED_S, "max_repeats": MAX_REPEATS,
            "rounds": args.rounds, "cheap_rounds": args.cheap_rounds, "cheap_s": CHEAP_S, "interleaved": True}
+    doc["agreement"] = {n: agreement(PAIRS[n], min(args.lengths)) for n in names if PAIRS[n].same_output}
     jobs = [(n, L) for n in names for L in args.lengths]
     runs = {job: {s: [] for s in ["ours"] + (["peer"] if PAIRS[job[0]].peer else [])} for job in jobs}
     out, started = Path(args.out), time.time()
@@ -615,6 +641,16 @@ def _partial(doc: dict) -> list[str]:
             ""]
 
 
+def _agreement(doc: dict, name: str) -> str:
+    """The configuration's note of how far the outputs are apart (:func:`agreement`), if checked."""
+    a = doc.get("agreement", {}).get(name)
+    if not a or a["status"] != "ok":
+        return ""
+    same = a["max_abs_diff"] <= AGREE_RTOL * a["max_abs"]
+    return (f"; {'the same outputs' if same else '**✗ the outputs differ**'}, checked at L = {a['L']}: "
+            f"max |ours − peer| = {a['max_abs_diff']:.1e} (max |peer| = {a['max_abs']:.2g})")
+
+
 def report(doc: dict) -> str:
     m, cells = doc["machine"], doc["cells"]
     lengths = doc["lengths"]
@@ -657,7 +693,8 @@ def report(doc: dict) -> str:
                 row += [f"{fmt(o, key)} / {fmt(p, key)}", _ratio(o, p, key, t)]
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Configurations:", ""]
-    lines += [f"- `{n}` ({p.scope}): {p.config}" for n, p in PAIRS.items() if p.peer and p.config]
+    lines += [f"- `{n}` ({p.scope}): {p.config}{_agreement(doc, n)}" for n, p in PAIRS.items()
+              if p.peer and p.config]
     lines += [
         "",
         "## Ours against SDPA full attention of the same causality",

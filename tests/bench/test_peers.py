@@ -3,6 +3,7 @@
 The peers themselves are an optional install (`make peers`), so CI runs only our side.
 """
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -198,3 +199,19 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
     assert doc["machine"]["matmul_gflops"] == 110.0  # their median sets the floors
     assert "110.0 GFLOP/s (the median of 4 measurements" in out.read_text()
     assert "Partial" not in out.read_text() and ", interleaved" in out.read_text()
+
+
+def test_agreement_finds_the_same_and_different_outputs():
+    """Pairs marked same_output are checked for it; a peer of another function is caught."""
+    same = peers.agreement(peers.PAIRS["full_causal"], 33)
+    assert same["status"] == "ok" and same["max_abs_diff"] <= 1e-6 < same["max_abs"]
+    wrong = peers.Pair("full", False, peers.sdpa(True), "SDPA causal", "x", same_output=True)
+    differ = peers.agreement(wrong, 33)
+    assert differ["max_abs_diff"] > 0.01
+    doc = _doc({"full/4096": {"ours": _side(0.3, 9), "peer": _side(0.3, 9)}})
+    doc["agreement"] = {"full": same}
+    assert "the same outputs, checked at L = 33" in peers.report(doc)
+    doc["agreement"] = {"full": differ}
+    assert "✗ the outputs differ" in peers.report(doc)
+    scaled = dataclasses.replace(peers.PAIRS["full"], peer_factor=2.0)
+    assert peers.agreement(scaled, 33)["max_abs_diff"] > 0.01  # the factor is applied
