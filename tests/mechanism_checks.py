@@ -96,6 +96,15 @@ def check_against_reference(name, *, B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, causal=
     return fast
 
 
+def check_equals_full(name, *, L, causal, options=None, **tolerances):
+    """At a limit where the mechanism must be full attention (self-attention of length L, a
+    key mask): its output against full's, each first checked against its own reference."""
+    a = check_against_reference(name, Lq=L, Lk=L, causal=causal, masked=True, options=options,
+                                backward=False)
+    b = check_against_reference("full", Lq=L, Lk=L, causal=causal, masked=True, backward=False)
+    torch.testing.assert_close(a, b, **tolerances)
+
+
 def check_gradcheck(name, *, B=1, H=2, Lq=5, Lk=6, D=4, causal=False, masked=False, seed=0,
                     options=None):
     """torch.autograd.gradcheck of the fast path on small float64 inputs."""

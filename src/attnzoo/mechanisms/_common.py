@@ -679,6 +679,16 @@ class _Band:
         return minus_inf_where_not_(torch.zeros(allowed.shape, dtype=dtype, device=self.device), allowed)
 
 
+def window_attention(q, k, v, key_mask, *, block, left, right, allowed, scale):
+    """One :func:`window_partial` as a mechanism's whole result: q (B, H, Lq, D), k (B, H, Lk, D),
+    v (B, H, Lk, Dv) put on the frame of :func:`to_frame` (queries the last Lq positions),
+    key_mask (B, Lk) or None -> (B, H, Lq, Dv) in q's dtype. ``scale`` is the softmax's."""
+    q_, k_, v_, key_valid, Lq = to_frame(q, k, v, key_mask)
+    o, _ = window_partial(q_, k_, v_, key_valid, block=block, left=left, right=right, allowed=allowed,
+                          scale=scale)
+    return last_rows(o, Lq).to(q.dtype)
+
+
 def window_flops(N: int, *, block: int, left: int, right: int, D: int, Dv: int) -> float:
     """FLOPs of :func:`window_partial` for one (batch, head): scores and weighted sum per block."""
     nb = -(-N // block)

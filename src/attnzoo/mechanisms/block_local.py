@@ -6,14 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import (
-    last_rows,
-    pattern_reference,
-    softmax_scale,
-    to_frame,
-    window_flops,
-    window_partial,
-)
+from attnzoo.mechanisms._common import pattern_reference, softmax_scale, window_attention, window_flops
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -48,7 +41,8 @@ def block_local_attention(q, k, v, opts=BlockLocalOptions(), *, causal=False, ke
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv); with
     Lq != Lk the queries are the last Lq positions and blocks count from position 0 of
     max(Lq, Lk). Cost O(L·w·(1 + look_backward + look_forward)·D) time and O(L·w) memory,
-    never L×L: each query block is one block of :func:`window_partial` (its keys a view).
+    never L×L: each query block is one block of
+    :func:`~attnzoo.mechanisms._common.window_partial` (its keys a view).
     Parmar et al., Image Transformer, 2018 (local 1D attention); as lucidrains'
     local-attention ``LocalAttention(window_size=w, look_backward, look_forward)`` with its
     defaults (``exact_windowsize=False``: a causal query sees all of the blocks before it,
@@ -56,12 +50,10 @@ def block_local_attention(q, k, v, opts=BlockLocalOptions(), *, causal=False, ke
     one block share their keys: no band to mask inside the sequence.
     """
     back, forward = _blocks_around(opts, causal)
-    q_, k_, v_, key_valid, Lq = to_frame(q, k, v, key_mask)
     w = opts.window
-    o, _ = window_partial(q_, k_, v_, key_valid, block=w, left=back * w, right=forward * w,
-                          allowed=(lambda i, j: j <= i) if causal else _everywhere,
-                          scale=softmax_scale(q, scale))
-    return last_rows(o, Lq).to(q.dtype)
+    return window_attention(q, k, v, key_mask, block=w, left=back * w, right=forward * w,
+                            allowed=(lambda i, j: j <= i) if causal else _everywhere,
+                            scale=softmax_scale(q, scale))
 
 
 def _everywhere(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:

@@ -6,14 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import (
-    last_rows,
-    pattern_reference,
-    softmax_scale,
-    to_frame,
-    window_flops,
-    window_partial,
-)
+from attnzoo.mechanisms._common import pattern_reference, softmax_scale, window_attention, window_flops
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -45,12 +38,10 @@ def local_attention(q, k, v, opts=LocalOptions(), *, causal=False, key_mask=None
     O(L·(w + block)) memory, by query blocks that see a band of keys (never L×L).
     The baseline of the sparse family (Beltagy et al. 2020's sliding window).
     """
-    q_, k_, v_, key_valid, Lq = to_frame(q, k, v, key_mask)
     left, right = _offsets(opts, causal)
-    o, _ = window_partial(q_, k_, v_, key_valid, block=_block(opts), left=left, right=right,
-                          allowed=lambda i, j: (j >= i - left) & (j <= i + right),
-                          scale=softmax_scale(q, scale))
-    return last_rows(o, Lq).to(q.dtype)
+    return window_attention(q, k, v, key_mask, block=_block(opts), left=left, right=right,
+                            allowed=lambda i, j: (j >= i - left) & (j <= i + right),
+                            scale=softmax_scale(q, scale))
 
 
 def _block(opts: LocalOptions) -> int:
