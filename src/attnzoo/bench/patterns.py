@@ -37,7 +37,7 @@ ILLUSTRATION = {
 
 def _options(name: str, length: int, given: dict) -> dict:
     opts = {**ILLUSTRATION.get(name, {}), **given.get(name, {})}
-    if name in ("local", "block_local"):
+    if "window" in opts:  # local's and block_local's window: at most the picture's length
         opts["window"] = min(opts["window"], length)
     return opts
 
