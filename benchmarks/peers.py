@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -43,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+import unittest.mock
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,7 @@ class Case:
 
     fwd: Callable[[], torch.Tensor]
     leaves: list[torch.Tensor]
+    module: torch.nn.Module | None = None  # the side's module, where it owns random parameters
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,10 @@ class Pair:
     shared_qk: bool = False  # core: k is q (one leaf), and the mechanism's shared_qk option is set
     same_output: bool = False  # the peer computes the same function of the same inputs: checked (agreement)
     peer_factor: float = 1.0  # the peer's output is this multiple of ours (where same_output)
+    # Where the sides draw their own random parameters: (pair, L) -> the check's two calls (ours,
+    # the peer's), made one function by copying parameters across and setting aside the
+    # differences the config names (agreement); None: the two sides as measured.
+    align: Callable[[Pair, int], tuple[Callable, Callable]] | None = None
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -123,7 +130,7 @@ def ours_case(pair: Pair, L: int) -> Case:
         layer = attnzoo.nn.MultiheadAttention(D_MODEL, H, mechanism=pair.mechanism, causal=pair.causal,
                                               **options).eval()
         x = torch.randn(B, L, D_MODEL, generator=torch.Generator().manual_seed(0))
-        return Case(lambda: layer(x), _leaves(x) + list(layer.parameters()))
+        return Case(lambda: layer(x), _leaves(x) + list(layer.parameters()), layer)
     q, k, v = _qkv(L, pair.shared_qk)
     return Case(lambda: attnzoo.attention(q, k, v, mechanism=pair.mechanism, causal=pair.causal,
                                           generator=torch.Generator().manual_seed(0), **options),
@@ -165,7 +172,7 @@ def linformer_module(L: int) -> Case:
     torch.manual_seed(0)
     m = LinformerSelfAttention(dim=D_MODEL, seq_len=L, k=256, heads=H, dim_head=D).eval()
     x = torch.randn(B, L, D_MODEL, generator=torch.Generator().manual_seed(0))
-    return Case(lambda: m(x), _leaves(x) + list(m.parameters()))
+    return Case(lambda: m(x), _leaves(x) + list(m.parameters()), m)
 
 
 def nystrom_module(L: int) -> Case:
@@ -173,7 +180,7 @@ def nystrom_module(L: int) -> Case:
     torch.manual_seed(0)
     m = NystromAttention(dim=D_MODEL, dim_head=D, heads=H, num_landmarks=256).eval()
     x = torch.randn(B, L, D_MODEL, generator=torch.Generator().manual_seed(0))
-    return Case(lambda: m(x), _leaves(x) + list(m.parameters()))
+    return Case(lambda: m(x), _leaves(x) + list(m.parameters()), m)
 
 
 def performer_fast(causal: bool) -> Callable[[int], Case]:
@@ -186,7 +193,7 @@ def performer_fast(causal: bool) -> Callable[[int], Case]:
         with contextlib.redirect_stdout(io.StringIO()):  # its CPU causal path prints a warning
             att = FastAttention(dim_heads=D, nb_features=256, causal=causal).eval()
         q, k, v = _qkv(L)
-        return Case(lambda: att(q, k, v), _leaves(q, k, v))
+        return Case(lambda: att(q, k, v), _leaves(q, k, v), att)
     return build
 
 
@@ -227,9 +234,83 @@ def _performer_features(L: int) -> torch.Tensor:
 
 
 PERFORMER = dict(features=_performer_features)
+
+# ---------------------------------------------------------------------------- one function for the check
+
+
+@torch.no_grad()
+def _copy_projections(layer, q_w, k_w, v_w, out: torch.nn.Linear) -> None:
+    """A peer module's q, k and v weights (no biases) and output projection into our layer."""
+    for mine, theirs in ((layer.q_proj, q_w), (layer.k_proj, k_w), (layer.v_proj, v_w)):
+        mine.weight.copy_(theirs)
+    layer.out_proj.weight.copy_(out.weight)
+    layer.out_proj.bias.copy_(out.bias)
+
+
+def linformer_align(pair: Pair, L: int) -> tuple[Callable, Callable]:
+    """The peer's weights into our layer; its E and F are (seq_len, k), ours (proj_len, max_len)."""
+    peer = pair.peer(L)
+    ours = ours_case(pair, L)
+    m, layer = peer.module, ours.module
+    _copy_projections(layer, m.to_q.weight, m.to_k.weight, m.to_v.weight, m.to_out)
+    with torch.no_grad():
+        layer.proj_k.copy_(m.proj_k.T)
+        layer.proj_v.copy_(m.proj_v.T)
+    return ours.fwd, peer.fwd
+
+
+def nystrom_align(pair: Pair, L: int) -> tuple[Callable, Callable]:
+    """The peer's weights into our layer, the peer's residual conv zeroed (ours has none), and
+    its pseudo-inverse started from each head's norms (:func:`_pinv_per_head`)."""
+    import nystrom_attention.nystrom_attention as module
+    peer = pair.peer(L)
+    ours = ours_case(pair, L)
+    m = peer.module
+    _copy_projections(ours.module, *m.to_qkv.weight.chunk(3), m.to_out[0])
+    with torch.no_grad():
+        m.res_conv.weight.zero_()
+
+    def peer_fwd():
+        with unittest.mock.patch.object(module, "moore_penrose_iter_pinv", _pinv_per_head):
+            return peer.fwd()
+    return ours.fwd, peer_fwd
+
+
+def _pinv_per_head(x, iters=6):
+    """nystrom-attention's ``moore_penrose_iter_pinv`` with Z₀'s norms taken per (m, m) matrix, as
+    attnzoo's ``iterative_pinv`` takes them (its documented departure), not over the whole batch."""
+    abs_x = x.abs()
+    z = x.transpose(-1, -2) / (abs_x.sum(-1).amax(-1) * abs_x.sum(-2).amax(-1))[..., None, None]
+    eye = torch.eye(x.shape[-1], dtype=x.dtype)
+    for _ in range(iters):
+        xz = x @ z
+        z = 0.25 * z @ (13 * eye - (xz @ (15 * eye - (xz @ (7 * eye - xz)))))
+    return z
+
+
+def performer_align(pair: Pair, L: int) -> tuple[Callable, Callable]:
+    """Our features into the peer's, and eps 0 on both sides: the peer adds 1e-4 to every
+    feature after shifting the logits by their largest (and, causal, 1e-6 to every feature's
+    running sum in the normaliser); ours adds its eps (1e-6) to the normaliser."""
+    from performer_pytorch.performer_pytorch import softmax_kernel
+    peer = pair.peer(L)
+    ours = ours_case(dataclasses.replace(pair, options={**pair.options, "eps": 0.0}), L)
+    with torch.no_grad():
+        peer.module.projection_matrix.copy_(_performer_features(L))
+    if pair.causal:  # its CPU path's eps: added to every feature's running sum in the normaliser
+        peer.module.causal_linear_fn = functools.partial(peer.module.causal_linear_fn, eps=0.0)
+
+    def peer_fwd():
+        with unittest.mock.patch.dict(softmax_kernel.__kwdefaults__, eps=0.0):
+            return peer.fwd()
+    return ours.fwd, peer_fwd
+
+
 # The linformer and nystrom-attention modules project q, k and v without biases and the
 # output with one: our layer takes the same (it has biases on all four by default).
 PEER_BIASES = dict(bias=False, out_bias=True)
+PERFORMER_CHECK = ("checked with our features copied into the peer and eps 0 on both sides (the peer "
+                   "adds 1e-4 to every feature, ours 1e-6 to the normaliser: performer_align)")
 
 
 # ---------------------------------------------------------------------------- pairs
@@ -253,13 +334,16 @@ PAIRS: dict[str, Pair] = {
                                              count_duplicates=False)),
     "linformer": Pair("linformer", False, linformer_module, "linformer LinformerSelfAttention",
                       "k = 256, d_model 512, 8 heads, whole module; as the peer's, no biases on "
-                      "q, k, v, one on the output", scope="module",
-                      options=dict(proj_len=256, max_len=lambda L: L, **PEER_BIASES)),
+                      "q, k, v, one on the output; checked with the peer's weights, E and F copied into "
+                      "ours", scope="module", options=dict(proj_len=256, max_len=lambda L: L, **PEER_BIASES),
+                      same_output=True, align=linformer_align),
     "performer": Pair("performer", False, performer_fast(False), "performer-pytorch FastAttention",
-                      "256 orthogonal features, drawn once", options=PERFORMER),
+                      "256 orthogonal features, drawn once; " + PERFORMER_CHECK, options=PERFORMER,
+                      same_output=True, align=performer_align),
     "performer_causal": Pair("performer", True, performer_fast(True),
                              "performer-pytorch FastAttention causal (its CPU path)",
-                             "256 orthogonal features, drawn once", options=PERFORMER),
+                             "256 orthogonal features, drawn once; " + PERFORMER_CHECK, options=PERFORMER,
+                             same_output=True, align=performer_align),
     "block_local": Pair("block_local", False, local_attention(False), "local-attention LocalAttention",
                         "window_size 256, one block back and one forward: each block of 256 queries "
                         "sees the 768 keys of its own and its neighbours, on both sides",
@@ -271,8 +355,10 @@ PAIRS: dict[str, Pair] = {
     "nystrom": Pair("nystrom", False, nystrom_module, "nystrom-attention NystromAttention",
                     "256 landmarks, 6 pinv iterations, d_model 512, 8 heads, whole module "
                     "(the peer adds a depthwise residual conv of 33 taps); as the peer's, no "
-                    "biases on q, k, v, one on the output", scope="module",
-                    options=dict(num_landmarks=256, **PEER_BIASES)),
+                    "biases on q, k, v, one on the output; checked with the peer's weights copied into "
+                    "ours, its residual conv zeroed and its pseudo-inverse started from each head's "
+                    "norms, as ours (the peer takes one maximum over all heads)", scope="module",
+                    options=dict(num_landmarks=256, **PEER_BIASES), same_output=True, align=nystrom_align),
     "efficient": Pair("efficient", False, lat_linear, "linear-attention-transformer linear_attn",
                       "softmax of q over features, of k over positions; the peer then multiplies by "
                       "D^-0.5 (not in the paper), so its output is ours × D^-0.5",
@@ -382,18 +468,24 @@ def child(pair: str, side: str, L: int, repeats: int, backward: bool, threads: i
         raise
 
 
+def _as_measured(pair: Pair, L: int) -> tuple[Callable, Callable]:
+    peer = pair.peer(L)  # first: a peer not installed raises before ours is built
+    return ours_case(pair, L).fwd, peer.fwd
+
+
 def agreement(pair: Pair, L: int) -> dict:
     """How far our forward (times ``peer_factor``) is from the peer's on the same inputs at
-    length L, for a pair whose peer computes the same function (``same_output``): max |ours −
-    peer| and max |peer|, or the status where the peer is not installed. In the calling
-    process, outside any timing."""
+    length L, for a pair whose peer computes the same function (``same_output``), made one
+    by ``pair.align`` where the sides draw their own parameters: max |ours − peer| and
+    max |peer|, or the status where the peer is not installed. In the calling process,
+    outside any timing."""
     torch.manual_seed(0)
     try:
-        peer = pair.peer(L)
+        ours_fwd, peer_fwd = (pair.align or _as_measured)(pair, L)
     except ImportError as err:
         return {"status": f"not installed: {err.name}"}
     with torch.no_grad():
-        ours, theirs = ours_case(pair, L).fwd() * pair.peer_factor, peer.fwd()
+        ours, theirs = ours_fwd() * pair.peer_factor, peer_fwd()
     if theirs.shape != ours.shape:  # fast-transformers' (B, L, H, D)
         theirs = theirs.transpose(1, 2)
     return {"status": "ok", "L": L, "max_abs_diff": (ours - theirs).abs().max().item(),

@@ -215,3 +215,30 @@ def test_agreement_finds_the_same_and_different_outputs():
     assert "✗ the outputs differ" in peers.report(doc)
     scaled = dataclasses.replace(peers.PAIRS["full"], peer_factor=2.0)
     assert peers.agreement(scaled, 33)["max_abs_diff"] > 0.01  # the factor is applied
+
+
+def test_agreement_checks_the_aligned_calls():
+    """A pair with ``align`` is checked on the two calls it builds, not on the sides as measured
+    (here it makes the causal "peer" of non-causal full attention non-causal), and a peer that
+    is not installed is reported, not raised."""
+    wrong = peers.Pair("full", False, peers.sdpa(True), "SDPA causal", "x", same_output=True)
+
+    def align(pair, L):
+        return peers.ours_case(pair, L).fwd, peers.sdpa(False)(L).fwd
+
+    assert peers.agreement(dataclasses.replace(wrong, align=align), 33)["max_abs_diff"] <= 1e-6
+    # the performer, linformer and nystrom checks need their peers (make peers)
+    for name in ("performer", "linformer", "nystrom"):
+        result = peers.agreement(peers.PAIRS[name], 33)
+        assert result["status"] == "ok" or result["status"].startswith("not installed"), result
+
+
+def test_the_nystrom_checks_peer_pinv_is_ours():
+    """The nystrom check runs the peer's pseudo-inverse with each head's norms: that is
+    attnzoo's iterative_pinv (its departure from the official one maximum over the batch)."""
+    from attnzoo.mechanisms.nystrom import iterative_pinv
+
+    a = torch.softmax(3 * torch.randn(2, 3, 17, 17, dtype=torch.float64), -1)
+    a[1, 2] *= 4  # one matrix with larger norms: one maximum over the batch would move the others
+    for iterations in (1, 6):  # (after one, the start's scale still shows)
+        torch.testing.assert_close(peers._pinv_per_head(a, iterations), iterative_pinv(a, iterations))
