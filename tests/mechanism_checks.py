@@ -147,3 +147,26 @@ def check_input_errors(name, **options):
     if not spec.capabilities.key_mask:
         raises(f"{name} does not support key_mask", q, k, v,
                key_mask=torch.ones(2, 8, dtype=torch.bool))
+
+
+def record_band_calls(monkeypatch) -> list[str]:
+    """The fused band's forward and backward (``_Band.fused_forward`` / ``fused_backward``), named
+    in a list as they compute (fused_forward returns None where it leaves the work to the
+    groups: not named): tests clear it, run a mechanism, and read which path it took."""
+    from attnzoo.mechanisms import _common
+
+    calls = []
+
+    def recording(method):
+        original = getattr(_common._Band, method)
+
+        def call(self, *args):
+            result = original(self, *args)
+            if result is not None:
+                calls.append(method)
+            return result
+        return call
+
+    for method in ("fused_forward", "fused_backward"):
+        monkeypatch.setattr(_common._Band, method, recording(method))
+    return calls

@@ -6,7 +6,13 @@ from hypothesis import strategies as st
 import attnzoo
 from attnzoo.mechanisms import _common
 
-from mechanism_checks import cases, check_against_reference, check_equals_full, check_gradcheck
+from mechanism_checks import (
+    cases,
+    check_against_reference,
+    check_equals_full,
+    check_gradcheck,
+    record_band_calls,
+)
 
 block_local_cases = cases(window=st.integers(1, 9), look_backward=st.integers(0, 2),
                           look_forward=st.none() | st.just(0))
@@ -23,11 +29,14 @@ def test_block_local_fused_and_in_groups(monkeypatch, scores_per_chunk):
     """Without padding keys the fused SDPA band (forward and backward), with them the groups of
     query blocks; ragged last block, one block only, look forward by two."""
     monkeypatch.setattr(_common, "SCORES_PER_CHUNK", scores_per_chunk)
+    calls = record_band_calls(monkeypatch)
     for Lq, Lk, masked, causal, options in [
             (37, 37, False, False, {"window": 5}), (37, 37, False, True, {"window": 8}),
             (6, 6, False, False, {"window": 12}), (19, 29, True, True, {"window": 4, "look_backward": 2}),
             (29, 29, True, False, {"window": 3, "look_backward": 0, "look_forward": 2})]:
+        calls.clear()
         check_against_reference("block_local", Lq=Lq, Lk=Lk, causal=causal, masked=masked, options=options)
+        assert calls == ([] if masked else ["fused_forward", "fused_backward"]), (options, calls)
 
 
 def test_block_local_one_block_equals_full():

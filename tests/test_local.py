@@ -6,7 +6,13 @@ from hypothesis import strategies as st
 import attnzoo
 from attnzoo.mechanisms import _common
 
-from mechanism_checks import cases, check_against_reference, check_equals_full, check_gradcheck
+from mechanism_checks import (
+    cases,
+    check_against_reference,
+    check_equals_full,
+    check_gradcheck,
+    record_band_calls,
+)
 
 local_cases = cases(window=st.integers(1, 12), block=st.none() | st.integers(1, 9))
 
@@ -31,11 +37,7 @@ def test_fused_band_equals_the_groups(monkeypatch, scores_per_chunk):
     and two; the backward by the fused kernel where lse is unused (local), by the groups where
     it merges (strided, fixed)."""
     monkeypatch.setattr(_common, "SCORES_PER_CHUNK", scores_per_chunk)
-    calls = []
-    for method in ("fused_forward", "fused_backward"):
-        original = getattr(_common._Band, method)
-        monkeypatch.setattr(_common._Band, method,
-                            lambda self, *a, _f=original, _m=method: calls.append(_m) or _f(self, *a))
+    calls = record_band_calls(monkeypatch)
     for Lq, Lk, window, block, causal in [(37, 37, 5, 4, False), (37, 37, 9, 8, True),
                                           (6, 6, 12, 3, False), (19, 29, 7, None, True),
                                           (29, 29, 1, 5, False), (64, 64, 16, 16, True)]:
