@@ -129,6 +129,10 @@ def test_cheap_cells_get_more_rounds():
     assert peers.cell_rounds({"ours": [quick], "peer": [quick]}, 2, 4) == 4
     assert peers.cell_rounds({"ours": [quick], "peer": [slow]}, 2, 4) == 2  # one slow side: no more
     assert peers.cell_rounds({"ours": [quick]}, 3, 0) == 3  # --cheap-rounds off
+    assert peers.cell_rounds({"ours": [slow], "peer": [slow]}, 2, 4, same_call=True) == 4
+    slow_runs = {"ours": [slow], "peer": [slow]}
+    assert peers.job_rounds(("full", 16384), {("full", 16384): slow_runs}, 2, 4) == 4  # SDPA both sides
+    assert peers.job_rounds(("linformer", 16384), {("linformer", 16384): slow_runs}, 2, 4) == 2
 
 
 def test_parent_runs_cheap_cells_more_rounds(tmp_path):
@@ -190,11 +194,14 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
                 "--out", str(out)])
     ours = [(pair, L, text) for pair, L, side, text in calls if side == "ours"]
     both = [("full", 17), ("full", 19), ("taylor", 17), ("taylor", 19)]
-    assert [c[:2] for c in ours] == both + both + [("full", 17), ("taylor", 17)]  # L = 17 is cheap
+    # L = 17 is cheap; full (SDPA against SDPA) gets the extra rounds at any cost
+    assert [c[:2] for c in ours] == both + both + [("full", 17), ("full", 19), ("taylor", 17)]
     assert ours[0][2] is None and "Partial: written after pass 1 " in ours[4][2]
     assert "Partial: written after pass 2 " in ours[8][2] and "| taylor | no | 100 | 1.00 |" in ours[8][2]
     doc = json.loads(out.with_suffix(".json").read_text())
-    assert [doc["cells"][f"taylor/{L}"]["ours"]["rounds"] for L in (17, 19)] == [3, 2]
+    assert [doc["cells"][f"{n}/{L}"]["ours"]["rounds"] for n in ("taylor", "full") for L in (17, 19)] \
+        == [3, 2, 3, 3]
+    assert "(3 where every process took under 20 s and for full attention against SDPA" in out.read_text()
     assert doc["machine"]["matmul_gflops_measured"] == [100.0, 130.0, 90.0, 120.0]
     assert doc["machine"]["matmul_gflops"] == 110.0  # their median sets the floors
     assert "110.0 GFLOP/s (the median of 4 measurements" in out.read_text()
