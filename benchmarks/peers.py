@@ -664,7 +664,7 @@ def _ratio(a: dict, b: dict, key: str, target: float | None = None) -> str:
 
 def floor_s(pair: Pair, L: int, doc: dict) -> float | None:
     """The pair's FLOP floor in seconds at the machine's matmul rate: the mechanism's FLOPs, plus
-    for module pairs the four d_model × d_model projections (q, k, v, out) both sides compute."""
+    for module pairs its projections' (:func:`projection_flops`)."""
     spec = attnzoo.get(pair.mechanism)
     if spec.flops is None:
         return None
@@ -672,8 +672,16 @@ def floor_s(pair: Pair, L: int, doc: dict) -> float | None:
     options = {n: o for n, o in pair_options(pair, L).items() if n in own}
     flops = spec.flops(B, H, L, L, D, D, pair.causal, attnzoo.registry.make_options(spec, options))
     if pair.scope == "module":
-        flops += 4 * 2.0 * B * L * D_MODEL * D_MODEL
+        flops += projection_flops(pair, L)
     return flops / (doc["machine"]["matmul_gflops"] * 1e9)
+
+
+def projection_flops(pair: Pair, L: int) -> float:
+    """The four d_model × d_model projections (q, k, v, out) of a module pair, each on L rows but
+    linformer's k and v: E(X W_K) = (E X) W_K projects only its proj_len rows, the least work
+    (the mechanism's FLOPs count E X), though the peer projects all L first."""
+    kv_rows = min(pair.options["proj_len"], L) if pair.mechanism == "linformer" else L
+    return 2.0 * B * D_MODEL * D_MODEL * (2 * L + 2 * kv_rows)
 
 
 def peer_target(pair: Pair, peer: dict, L: int, doc: dict) -> float:

@@ -106,6 +106,10 @@ def test_floor_counts_the_pairs_own_options():
     local = attnzoo.get("local")
     work = local.flops(B, H, L, L, D, D, False, local.options(window=768))
     assert peers.floor_s(peers.PAIRS["local"], L, doc) == pytest.approx(work / rate)
+    linformer = attnzoo.get("linformer")  # k and v projected on its 256 rows: E(X W) = (E X) W
+    work = linformer.flops(B, H, L, L, D, D, False, linformer.options(proj_len=256))
+    projections = 2 * 2.0 * B * (L + 256) * peers.D_MODEL**2
+    assert peers.floor_s(peers.PAIRS["linformer"], L, doc) == pytest.approx((work + projections) / rate)
 
 
 @pytest.mark.parametrize("pair", ["lsh", "lsh_causal"])
