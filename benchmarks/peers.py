@@ -806,6 +806,7 @@ def report(doc: dict) -> str:
     lines += ["", "Configurations:", ""]
     lines += [f"- `{n}` ({p.scope}): {p.config}{_agreement(doc, n)}" for n, p in PAIRS.items()
               if p.peer and p.config]
+    lines += _floor_table(doc, [L for L in lengths if L >= 4096])
     lines += [
         "",
         "## Ours against SDPA full attention of the same causality",
@@ -842,6 +843,29 @@ def report(doc: dict) -> str:
             lines.append(f"- L={L}: {c['ours']['fwd_s'] * 1e3:.1f} ms forward, floor {floor * 1e3:.1f} ms: "
                          f"{c['ours']['fwd_s'] / floor:.1f}× the floor")
     return "\n".join(lines) + "\n"
+
+
+def _floor_table(doc: dict, lengths: list[int]) -> list[str]:
+    """The report's table of each pair's forward over its FLOP floor (:func:`floor_s`), both
+    sides, with the time target that follows from the peer's (:func:`peer_target`)."""
+    rows = []
+    for name, pair in PAIRS.items():
+        for L in lengths:
+            c = doc["cells"].get(f"{name}/{L}", {})
+            floor = floor_s(pair, L, doc)
+            if floor and "fwd_s" in c.get("ours", {}) and "fwd_s" in c.get("peer", {}):
+                o, p = c["ours"]["fwd_s"] / floor, c["peer"]["fwd_s"] / floor
+                rows.append(f"| {name} | {L} | {floor * 1e3:.1f} | {o:.2f} | {p:.2f} "
+                            f"| {peer_target(pair, c['peer'], L, doc):g} |")
+    if not rows:
+        return []
+    return ["", "## Forward time over the FLOP floor", "",
+            "Floor: the mechanism's least work (its registry entry's FLOPs with the pair's options, plus "
+            "a module pair's projections) at the run's matmul rate; softmax's exponentials and the other "
+            "elementwise passes are not counted. The ratio target above is 1.0 where the peer's forward "
+            "is within 2× of the floor, else 0.5 (1.05 for full attention, SDPA on both sides).", "",
+            "| pair | L | floor ms | ours × floor | peer × floor | time target |",
+            "|---|---|---|---|---|---|", *rows]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,6 +78,21 @@ def test_report_ratios_and_targets():
     assert "0.05 ✓" in vs_sdpa  # 0.2 s against SDPA's 4.0 s at 16384: ≤ 0.2
 
 
+def test_report_gives_each_forward_over_its_floor_and_the_target_it_sets():
+    floor = peers.floor_s(peers.PAIRS["linformer"], 4096, _doc({}))
+    cells = {"linformer/4096": {"ours": _side(1.4 * floor, 9), "peer": _side(1.9 * floor, 9)},
+             "linformer/16384": {"ours": _side(0.6, 9), "peer": _side(1.0, 9)},  # 2.9× its floor
+             "log_sparse/16384": {"ours": _side(0.2, 200)}}  # no peer: no row
+    text = peers.report(_doc(cells))
+    rows = [line for line in text.split("## Forward time over the FLOP floor")[1].splitlines()
+            if line.startswith("| linformer |")]
+    assert rows[0] == f"| linformer | 4096 | {floor * 1e3:.1f} | 1.40 | 1.90 | 1 |"  # peer within 2×
+    assert rows[1].endswith(" | 0.5 |") and len(rows) == 2
+    pairs = [line for line in text.splitlines() if line.startswith("| linformer | linformer")]
+    assert "| 0.74 ✓ |" in pairs[0] and "| 0.60 ✗ |" in pairs[1]  # the targets applied above
+    assert "| log_sparse |" not in text.split("## Forward time over the FLOP floor")[1]
+
+
 def test_report_gives_the_share_of_kernel_time():
     """Median over the cells at L >= 4096 of kernel / wall time, per side; absent in older runs."""
     def side(wall, kernel):
