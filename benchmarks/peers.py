@@ -19,12 +19,11 @@ extra resident memory of a call the way ``attnzoo bench`` does (VmHWM reset afte
 gc + malloc_trim, minus VmRSS before; see attnzoo.bench.measure), over MEMORY_CALLS
 calls where a call is cheap, else one (:func:`peak_memories`), before the timed calls
 and one untimed call (:func:`measure_side`). Times are medians
-over every timed call of every round; memory is the least over every memory call of
-every round (:func:`merge`: the median is kept beside it). With ``--cheap-rounds N`` a
-cell whose processes each took under CHEAP_S seconds gets N rounds: this machine's speed
-differs from process to process, and more processes steady the medians where they cost
-little. Full attention's cells get N rounds whatever they cost: both sides make the same SDPA
-call, so their ratio is that spread alone.
+over every timed call of every round; memory is the median over every memory call of
+every round. With ``--cheap-rounds N`` a cell whose processes each took under CHEAP_S
+seconds gets N rounds: this machine's speed differs from process to process, and more
+processes steady the medians where they cost little. Full attention's cells get N rounds
+whatever they cost: both sides make the same SDPA call, so their ratio is that spread alone.
 
 Writes docs/performance.md (ratios ours/peer and ours/SDPA with the targets of issue 8,
 the machine, the command) and docs/performance.json (every number). Only this script
@@ -535,13 +534,7 @@ def job_rounds(job: tuple[str, int], runs: dict, rounds: int, cheap_rounds: int)
 
 
 def merge(runs: list[dict]) -> dict:
-    """One side's cell from its rounds: median over all timed calls; memory the least over all
-    memory calls, their median beside it (``*_mib_median``). A call's peak holds what it needs
-    and whatever glibc's heap then failed to reuse, which depends on which of torch's two
-    threads freed what first: the identical SDPA training step at L = 4096 read 41-59 MiB from
-    call to call, within a process as across them (ten processes, five a side), and over a run
-    the cell's medians read 49 MiB against 36, a miss of the 1.0 target by the same call. The
-    least is the estimate of what the call needs: the heap's extra is only ever added to it."""
+    """One side's cell from its rounds: median over all timed calls, median over all memory calls."""
     ok = [r for r in runs if r.get("status") == "ok"]
     if not ok:
         return {"status": runs[0].get("status", "not run")}
@@ -556,8 +549,7 @@ def merge(runs: list[dict]) -> dict:
             if values := [x for r in ok for x in r.get(f"{key}_{extra}", [])]:
                 cell[f"{key}_{extra}"] = statistics.median(values)
         if peaks:
-            cell[f"{key}_mib"] = min(peaks) / 2**20
-            cell[f"{key}_mib_median"] = statistics.median(peaks) / 2**20
+            cell[f"{key}_mib"] = statistics.median(peaks) / 2**20
     bwd = [r.get("bwd_status") for r in ok if r.get("bwd_status") not in (None, "ok")]
     if bwd:
         cell["bwd_status"] = bwd[0]
@@ -787,9 +779,9 @@ def report(doc: dict) -> str:
         f"{_more_rounds(doc)}{_interleaved(doc)} of {doc['repeats']} timed calls after a warm-up, the memory "
         f"calls and one more untimed call"
         f"{_more_calls(doc)}; times are "
-        f"medians of all timed calls, memory is the peak extra resident memory of a call (the least over "
+        f"medians of all timed calls, memory is the peak extra resident memory of a call (median over "
         f"{MEMORY_CALLS} calls a process where a call takes under {MEMORY_CALL_S:g} s, else one, and over "
-        "rounds: the rest is the state of glibc's heap; the medians are in the JSON). Ratios are "
+        "rounds). Ratios are "
         "ours / peer: below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 "
         "(≤ 1.0 where the peer's forward is within 2× of the FLOP floor); ✓ meets it, ✗ misses it.",
         "",
