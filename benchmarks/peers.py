@@ -534,7 +534,11 @@ def job_rounds(job: tuple[str, int], runs: dict, rounds: int, cheap_rounds: int)
 
 
 def merge(runs: list[dict]) -> dict:
-    """One side's cell from its rounds: median over all timed calls, median over all memory calls."""
+    """One side's cell from its rounds: median over all timed calls, median over all memory calls.
+    A call's peak memory also holds what glibc's heap failed to reuse: the same SDPA training step
+    at L = 4096 read 29-60 MiB from call to call. The least over the calls was tried in a full
+    run and did no better: the low readings are rare, and it read 43 MiB against 29 for the same
+    call on both sides."""
     ok = [r for r in runs if r.get("status") == "ok"]
     if not ok:
         return {"status": runs[0].get("status", "not run")}
