@@ -12,17 +12,18 @@ its library's layout, converted before the call) and the same configuration, eac
 fresh process, alternating: which side goes first alternates from cell to cell and, with
 ``--rounds`` > 1, from round to round. Rounds are interleaved: the run goes over every cell
 once, then again, so each cell's processes spread over the whole run, and the report is
-written after every pass (a run cut short keeps what it measured). Each process
-times forwards under no_grad and forward+backward (inputs and parameters require
-grad, ``out.backward(g)`` for a fixed g), after one warm-up call, and reads the peak
-extra resident memory of a call the way ``attnzoo bench`` does (VmHWM reset after
-gc + malloc_trim, minus VmRSS before; see attnzoo.bench.measure), over MEMORY_CALLS
-calls where a call is cheap, else one (:func:`peak_memories`), before the timed calls
-and one untimed call (:func:`measure_side`). Times are medians
-over every timed call of every round; memory is the median over every memory call of
-every round. With ``--cheap-rounds N`` a cell whose processes each took under CHEAP_S
-seconds gets N rounds: this machine's speed differs from process to process, and more
-processes steady the medians where they cost little. Full attention's cells get N rounds
+written after every pass (a run cut short keeps what it measured). A side's round is two
+processes (:func:`run_child`). One times forwards under no_grad and forward+backward
+(inputs and parameters require grad, ``out.backward(g)`` for a fixed g), after one warm-up
+call, with glibc's defaults, as a user's process has them. The other, started with
+MALLOC_MMAP_THRESHOLD_ fixed (:func:`memory_env`), reads the peak extra resident memory of a
+call the way ``attnzoo bench`` does (VmHWM reset after gc + malloc_trim, minus VmRSS before;
+see attnzoo.bench.measure), over MEMORY_CALLS calls where a call is cheap, else one
+(:func:`peak_memories`), after one warm-up call. Times are medians over every timed call of
+every round; memory is the median over every memory call of every round. With
+``--cheap-rounds N`` a cell whose rounds each took under CHEAP_S seconds a side gets N
+rounds: this machine's speed differs from process to process, and more processes steady
+the medians where they cost little. Full attention's cells get N rounds
 whatever they cost: both sides make the same SDPA call, so their ratio is that spread alone.
 
 Writes docs/performance.md (ratios ours/peer and ours/SDPA with the targets of issue 8,
@@ -60,9 +61,10 @@ B, H, D = 1, 8, 64
 D_MODEL = H * D  # for the pairs measured as whole modules (the peer owns its projections)
 CALL_LIMIT_S = 120.0  # a side whose first call takes longer is not repeated
 TIMED_S, MAX_REPEATS = 1.0, 15  # fast calls are repeated up to about TIMED_S of timed calls (noise)
-CHEAP_S = 20.0  # a cell whose every process took less gets --cheap-rounds rounds (see cell_rounds)
+CHEAP_S = 25.0  # a cell whose every round took less a side gets --cheap-rounds rounds (cell_rounds)
 MEMORY_CALLS = 3  # memory calls a process makes where its first call took under MEMORY_CALL_S
 MEMORY_CALL_S = 1.0
+MMAP_THRESHOLD = 128 * 1024  # bytes: glibc maps larger blocks for their life (memory processes)
 AGREE_RTOL = 1e-4  # float32 outputs of one function agree to this share of their largest entry
 
 
@@ -420,22 +422,28 @@ def peak_memories(fn, first_s: float) -> list[int]:
     return [peak for peak in (peak_memory(fn) for _ in range(calls)) if peak is not None]
 
 
-def measure_side(case: Case, repeats: int, backward: bool) -> dict:
-    """Warm-up, memory calls (:func:`peak_memories`), one call more, at least `repeats` timed
-    calls (:func:`calls_for`); forward (no grad) then forward+backward. The call between the
-    memory calls and the timed ones lets the heap grow back: each memory call begins with
-    malloc_trim(0), which hands glibc's free memory to the OS, and the calls after the last
-    were faulted in afresh (linformer's training step at 4096: 6479, 2525, then 0 page faults;
-    the median call was the second)."""
+def measure_side(case: Case, repeats: int, backward: bool, part: str = "time") -> dict:
+    """Forward (no grad), then forward+backward: a warm-up call, then by ``part`` at least
+    ``repeats`` timed calls (:func:`calls_for`) or the memory calls (:func:`peak_memories`).
+    The two parts run in separate processes (:func:`run_child`): a memory call begins with
+    malloc_trim(0), after which the heap is faulted in afresh, and the memory process's glibc
+    setting (:func:`memory_env`) slows large allocations (efficient's peer at 4096: 12-14 ms
+    a forward under it, 6 without)."""
+    if part not in ("time", "memory"):
+        raise ValueError(f"part must be 'time' or 'memory', not {part!r}")
+
+    def measure(fn, first: float, key: str) -> dict:
+        if part == "time":
+            return timed_calls(fn, calls_for(first, repeats), key)
+        return {f"{key}_peak_bytes": peak_memories(fn, first)}
+
     out: dict = {}
     with torch.no_grad():
         first = timings(case.fwd, 1)[0]
         out["fwd_first_s"] = first
         if first > CALL_LIMIT_S:
             return {**out, "status": f"first forward took {first:.0f} s"}
-        out["fwd_peak_bytes"] = peak_memories(case.fwd, first)
-        case.fwd()
-        out.update(timed_calls(case.fwd, calls_for(first, repeats), "fwd"))
+        out.update(measure(case.fwd, first, "fwd"))
     if not backward:
         return {**out, "status": "ok"}
     grad = torch.randn(case.fwd().shape, generator=torch.Generator().manual_seed(1))
@@ -449,18 +457,17 @@ def measure_side(case: Case, repeats: int, backward: bool) -> dict:
     out["fwdbwd_first_s"] = first
     if first > CALL_LIMIT_S:
         return {**out, "status": "ok", "bwd_status": f"first forward+backward took {first:.0f} s"}
-    out["fwdbwd_peak_bytes"] = peak_memories(fwd_bwd, first)
-    fwd_bwd()
-    out.update(timed_calls(fwd_bwd, calls_for(first, repeats), "fwdbwd"))
+    out.update(measure(fwd_bwd, first, "fwdbwd"))
     return {**out, "status": "ok", "bwd_status": "ok"}
 
 
-def child(pair: str, side: str, L: int, repeats: int, backward: bool, threads: int) -> dict:
+def child(pair: str, side: str, L: int, repeats: int, backward: bool, threads: int,
+          part: str = "time") -> dict:
     torch.set_num_threads(threads)
     p = PAIRS[pair]
     try:
         case = ours_case(p, L) if side == "ours" else p.peer(L)
-        return measure_side(case, repeats, backward)
+        return measure_side(case, repeats, backward, part)
     except ImportError as err:
         return {"status": f"not installed: {err.name}"}
     except (MemoryError, RuntimeError) as err:
@@ -496,12 +503,37 @@ def agreement(pair: Pair, L: int) -> dict:
 # ---------------------------------------------------------------------------- parent
 
 
+def memory_env(environ=os.environ) -> dict[str, str]:
+    """The environment of a memory process: glibc's mmap threshold fixed at MMAP_THRESHOLD.
+    Every block of that size or more is then mapped for its life and unmapped when freed, so a
+    call's peak resident memory is its peak of live memory, not what glibc's heap failed to
+    reuse. With glibc's default (a threshold that rises as blocks are freed) the identical SDPA
+    training step at L = 4096 read 29-60 MiB from call to call, on both sides; with it, 18.0-18.1
+    MiB in every call. It must hold from the process's start: mallopt() after the first calls
+    changed nothing (the heap's free chunks still serve large requests)."""
+    return dict(environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+
+
 def run_child(pair: str, side: str, L: int, args) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", pair, side, str(L),
+    """One side of a cell for one round: a process for the memory calls (:func:`memory_env`),
+    then one for the timed calls with glibc's defaults; their results in one dict, whose
+    ``child_s`` is the two processes' wall time together (:func:`cell_rounds`)."""
+    memory = _child_process(pair, side, L, args, "memory")
+    if memory["status"] != "ok":
+        return memory
+    timed = _child_process(pair, side, L, args, "time")
+    if timed["status"] != "ok":
+        return {**timed, "child_s": memory["child_s"] + timed["child_s"]}
+    return {**timed, **{k: v for k, v in memory.items() if k.endswith("_peak_bytes")},
+            "memory_child_s": memory["child_s"], "child_s": memory["child_s"] + timed["child_s"]}
+
+
+def _child_process(pair: str, side: str, L: int, args, part: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", pair, side, str(L), "--part", part,
            "--repeats", str(args.repeats), "--threads", str(args.threads)]
     if args.no_backward:
         cmd.append("--no-backward")
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = dict(memory_env() if part == "memory" else os.environ, OMP_NUM_THREADS=str(args.threads))
     load_before, started = os.getloadavg()[0], time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
@@ -517,10 +549,11 @@ def run_child(pair: str, side: str, L: int, args) -> dict:
 
 def cell_rounds(runs: dict[str, list[dict]], rounds: int, cheap_rounds: int, same_call: bool = False) -> int:
     """Rounds for a cell, given its runs so far: ``rounds``, or ``cheap_rounds`` where every
-    process so far took under CHEAP_S, or where both sides make the same call (``same_call``:
-    full attention against SDPA). This machine's speed differs from process to process (the
-    same call runs at one of two speeds, for the whole process), so a median over two
-    processes a side can land on either; where processes are cheap, more of them steady it.
+    round of a side so far took under CHEAP_S (its ``child_s``: both processes, :func:`run_child`),
+    or where both sides make the same call (``same_call``: full attention against SDPA). This
+    machine's speed differs from process to process (the same call runs at one of two speeds,
+    for the whole process), so a median over two processes a side can land on either; where
+    processes are cheap, more of them steady it.
     A same-call cell measures only that spread, against a target (1.05) narrower than it,
     so it gets the extra rounds whatever they cost (~3 min a round at L = 16384)."""
     done = [run for side in runs.values() for run in side]
@@ -604,7 +637,7 @@ def main_parent(args) -> None:
            "machine": machine(args.threads), "lengths": args.lengths, "repeats": args.repeats,
            "timed_s": TIMED_S, "max_repeats": MAX_REPEATS,
            "rounds": args.rounds, "cheap_rounds": args.cheap_rounds, "cheap_s": CHEAP_S, "interleaved": True,
-           "same_call_rounds": True}
+           "same_call_rounds": True, "mmap_threshold": MMAP_THRESHOLD}
     doc["agreement"] = {n: agreement(PAIRS[n], min(args.lengths)) for n in names if PAIRS[n].same_output}
     jobs = [(n, L) for n in names for L in args.lengths]
     runs = {job: {s: [] for s in ["ours"] + (["peer"] if PAIRS[job[0]].peer else [])} for job in jobs}
@@ -706,13 +739,28 @@ def _more_calls(doc: dict) -> str:
             f"times, to fill about {doc['timed_s']:g} s)")
 
 
+def _memory_calls(doc: dict) -> str:
+    """Where the report's memory calls ran (runs from before ran them in the timed process)."""
+    return "" if doc.get("mmap_threshold") else ", the memory calls and one more untimed call"
+
+
+def _memory_process(doc: dict) -> str:
+    """The report's note on the memory processes' glibc setting (runs from before had none)."""
+    if not (threshold := doc.get("mmap_threshold")):
+        return ""
+    return (f", read in a process of its own started with MALLOC_MMAP_THRESHOLD_={threshold}: glibc "
+            f"maps every block of {threshold // 1024} KiB or more for its life, so the reading is the "
+            "call's peak of live memory, not what the heap failed to reuse")
+
+
 def _more_rounds(doc: dict) -> str:
     """The report's note on the extra rounds of cheap cells (runs from before had none)."""
     if doc.get("cheap_rounds", 0) <= doc["rounds"]:
         return ""
     same_call = " and for full attention against SDPA, the same call" if doc.get("same_call_rounds") else ""
-    return (f" ({doc['cheap_rounds']} where every process took under {doc['cheap_s']:g} s{same_call}: the "
-            "speed of this machine differs from process to process)")
+    cheap = f"every round of a side took under {doc['cheap_s']:g} s"
+    return (f" ({doc['cheap_rounds']} where {cheap}{same_call}: the speed of this machine differs from "
+            "process to process)")
 
 
 def _interleaved(doc: dict) -> str:
@@ -778,14 +826,13 @@ def report(doc: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}, "
         f"Python {m['python']}; float32 matmul {m['matmul_gflops']} GFLOP/s{_rates(m)}.{_kernel_time(cells)}",
         "",
-        f"Shape: B={B}, H={H}, D={D}, float32; module pairs on x (B, L, {D_MODEL}). Each side runs in a "
-        f"fresh process, the side that goes first alternating from cell to cell, {doc['rounds']} round(s)"
-        f"{_more_rounds(doc)}{_interleaved(doc)} of {doc['repeats']} timed calls after a warm-up, the memory "
-        f"calls and one more untimed call"
-        f"{_more_calls(doc)}; times are "
+        f"Shape: B={B}, H={H}, D={D}, float32; module pairs on x (B, L, {D_MODEL}). Each side runs in "
+        f"fresh processes, the side that goes first alternating from cell to cell, {doc['rounds']} round(s)"
+        f"{_more_rounds(doc)}{_interleaved(doc)} of {doc['repeats']} timed calls after a warm-up"
+        f"{_memory_calls(doc)}{_more_calls(doc)}; times are "
         f"medians of all timed calls, memory is the peak extra resident memory of a call (median over "
         f"{MEMORY_CALLS} calls a process where a call takes under {MEMORY_CALL_S:g} s, else one, and over "
-        "rounds). Ratios are "
+        f"rounds){_memory_process(doc)}. Ratios are "
         "ours / peer: below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 "
         "(≤ 1.0 where the peer's forward is within 2× of the FLOP floor); ✓ meets it, ✗ misses it.",
         "",
@@ -878,7 +925,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default="", help="comma-separated pair names (see --list)")
     ap.add_argument("--rounds", type=int, default=1, help="(ours, peer) alternations per length")
     ap.add_argument("--cheap-rounds", type=int, default=0,
-                    help=f"rounds for a cell whose processes each took under {CHEAP_S:.0f} s, "
+                    help=f"rounds for a cell whose rounds each took under {CHEAP_S:.0f} s a side, "
                     "and for full attention's")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per side per round")
     ap.add_argument("--threads", type=int, default=2)
@@ -887,6 +934,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "performance.md"))
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--child", nargs=3, metavar=("PAIR", "SIDE", "L"))
+    ap.add_argument("--part", choices=("time", "memory"), default="time",
+                    help="with --child: the timed calls, or the memory calls (needs memory_env)")
     args = ap.parse_args(argv)
     if args.list:
         for n, p in PAIRS.items():
@@ -895,8 +944,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.child:
         cap = 20 * 2**30  # an allocation past it fails as an exception, not the kernel's OOM killer
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        if args.part == "memory" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD):
+            sys.exit(f"--part memory needs MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} set from the process's "
+                     "start (see memory_env)")
         pair, side, L = args.child
-        result = child(pair, side, int(L), args.repeats, not args.no_backward, args.threads)
+        result = child(pair, side, int(L), args.repeats, not args.no_backward, args.threads, args.part)
         print("RESULT:" + json.dumps(result), flush=True)
     else:
         main_parent(args)

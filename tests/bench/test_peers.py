@@ -6,6 +6,7 @@ The peers themselves are an optional install (`make peers`), so CI runs only our
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,8 +45,44 @@ def test_child_process_prints_one_result():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers.py"), *argv],
                          capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT:"))
-    assert result["status"] == "ok" and "fwdbwd_s" not in result
+    assert result["status"] == "ok" and "fwdbwd_s" not in result and "fwd_peak_bytes" not in result
     assert len(result["fwd_s"]) == peers.calls_for(result["fwd_first_s"], 2)
+
+
+def test_memory_child_needs_the_fixed_mmap_threshold_from_its_start():
+    """The memory calls run in a process of their own, started with memory_env; one started
+    without it refuses, rather than read the heap's state as the call's memory."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--child", "linear", "ours", "33",
+            "--part", "memory", "--no-backward"]
+    bare_env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="")
+    bare = subprocess.run(argv, capture_output=True, text=True, env=bare_env)
+    assert bare.returncode != 0 and "MALLOC_MMAP_THRESHOLD_=131072" in bare.stderr
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=peers.memory_env())
+    result = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT:"))
+    assert result["status"] == "ok" and "fwd_s" not in result
+    if Path("/proc/self/clear_refs").exists():
+        assert len(result["fwd_peak_bytes"]) == peers.MEMORY_CALLS
+
+
+def test_a_round_of_a_side_is_a_memory_process_then_a_timed_one(monkeypatch):
+    """run_child: the memory process gets the fixed threshold, the timed one glibc's defaults;
+    the round's result has the timed calls, the memory calls and both processes' wall time."""
+    started = []
+
+    def fake_run(cmd, env, **kwargs):
+        part = cmd[cmd.index("--part") + 1]
+        started.append((part, env.get("MALLOC_MMAP_THRESHOLD_"), env["OMP_NUM_THREADS"]))
+        result = {"status": "ok", "fwd_first_s": 0.1}
+        result.update({"fwd_peak_bytes": [7]} if part == "memory" else {"fwd_s": [0.2]})
+        return subprocess.CompletedProcess(cmd, 0, "noise\nRESULT:" + json.dumps(result), "")
+
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    args = peers.argparse.Namespace(repeats=3, threads=2, no_backward=False, child_timeout=10.0)
+    result = peers.run_child("linear", "ours", 17, args)
+    assert started == [("memory", "131072", "2"), ("time", None, "2")]
+    assert result["fwd_s"] == [0.2] and result["fwd_peak_bytes"] == [7]
+    assert result["child_s"] >= result["memory_child_s"] >= 0
 
 
 def _doc(cells):
@@ -163,7 +200,7 @@ def test_parent_runs_cheap_cells_more_rounds(tmp_path):
     doc = json.loads(out.with_suffix(".json").read_text())
     assert doc["cells"]["taylor/17"]["ours"]["rounds"] == 2
     assert doc["cells"]["full/17"]["ours"]["rounds"] == 2  # SDPA, added for the ratio
-    assert "2 where every process took under" in out.read_text()
+    assert "2 where every round of a side took under" in out.read_text()
 
 
 def test_memory_is_the_median_of_every_memory_call(monkeypatch):
@@ -181,18 +218,22 @@ def test_memory_is_the_median_of_every_memory_call(monkeypatch):
     assert peers.merge(runs)["fwd_mib"] == 5.0
 
 
-def test_timed_calls_come_after_a_call_that_follows_the_memory_calls(monkeypatch):
-    """The memory calls trim glibc's heap (malloc_trim): one untimed call lets it grow back
-    before the timed calls, forward and forward+backward."""
+@pytest.mark.parametrize("part", ["time", "memory"])
+def test_each_part_measures_after_a_warm_up(monkeypatch, part):
+    """A process measures one part, forward then forward+backward, each after a warm-up call."""
     events = []
     monkeypatch.setattr(peers, "peak_memories", lambda fn, first_s: events.append("memory") or [])
     monkeypatch.setattr(peers, "timed_calls",
                         lambda fn, n, key: events.append("timed") or {f"{key}_s": [0.1]})
     x = torch.ones(3, requires_grad=True)
     case = peers.Case(lambda: events.append("call") or x * 2, [x])
-    assert peers.measure_side(case, repeats=1, backward=True)["bwd_status"] == "ok"
-    # warm-up, memory, one call, timed; the gradient's shape from a call; the same with backward
-    assert events == ["call", "memory", "call", "timed", "call", "call", "memory", "call", "timed"]
+    result = peers.measure_side(case, repeats=1, backward=True, part=part)
+    assert result["bwd_status"] == "ok" and ("fwdbwd_s" in result) == (part == "time")
+    done = "timed" if part == "time" else "memory"
+    # warm-up, the part; the gradient's shape from a call; warm-up, the part with backward
+    assert events == ["call", done, "call", "call", done]
+    with pytest.raises(ValueError, match="part must be"):
+        peers.measure_side(case, repeats=1, backward=False, part="both")
 
 
 def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
@@ -220,7 +261,7 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
     doc = json.loads(out.with_suffix(".json").read_text())
     assert [doc["cells"][f"{n}/{L}"]["ours"]["rounds"] for n in ("taylor", "full") for L in (17, 19)] \
         == [3, 2, 3, 3]
-    assert "(3 where every process took under 20 s and for full attention against SDPA" in out.read_text()
+    assert "(3 where every round of a side took under 25 s and for full attention" in out.read_text()
     assert doc["machine"]["matmul_gflops_measured"] == [100.0, 130.0, 90.0, 120.0]
     assert doc["machine"]["matmul_gflops"] == 110.0  # their median sets the floors
     assert "110.0 GFLOP/s (the median of 4 measurements" in out.read_text()
