@@ -503,7 +503,7 @@ def agreement(pair: Pair, L: int) -> dict:
 # ---------------------------------------------------------------------------- parent
 
 
-def memory_env(environ=os.environ) -> dict[str, str]:
+def memory_env() -> dict[str, str]:
     """The environment of a memory process: glibc's mmap threshold fixed at MMAP_THRESHOLD.
     Every block of that size or more is then mapped for its life and unmapped when freed, so a
     call's peak resident memory is its peak of live memory, not what glibc's heap failed to
@@ -511,7 +511,7 @@ def memory_env(environ=os.environ) -> dict[str, str]:
     training step at L = 4096 read 29-60 MiB from call to call, on both sides; with it, 18.0-18.1
     MiB in every call. It must hold from the process's start: mallopt() after the first calls
     changed nothing (the heap's free chunks still serve large requests)."""
-    return dict(environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    return dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
 
 
 def run_child(pair: str, side: str, L: int, args) -> dict:
