@@ -16,15 +16,16 @@ written after every pass (a run cut short keeps what it measured). A side's roun
 processes (:func:`run_child`). One times forwards under no_grad and forward+backward
 (inputs and parameters require grad, ``out.backward(g)`` for a fixed g), after one warm-up
 call, with glibc's defaults, as a user's process has them. The other, started with
-MALLOC_MMAP_THRESHOLD_ fixed (:func:`memory_env`), reads the peak extra resident memory of a
-call the way ``attnzoo bench`` does (VmHWM reset after gc + malloc_trim, minus VmRSS before;
-see attnzoo.bench.measure), over MEMORY_CALLS calls where a call is cheap, else one
-(:func:`peak_memories`), after one warm-up call. Times are medians over every timed call of
-every round; memory is the median over every memory call of every round. With
-``--cheap-rounds N`` a cell whose rounds each took under CHEAP_S seconds a side gets N
-rounds: this machine's speed differs from process to process, and more processes steady
-the medians where they cost little. Full attention's cells get N rounds
-whatever they cost: both sides make the same SDPA call, so their ratio is that spread alone.
+MALLOC_MMAP_THRESHOLD_ fixed (attnzoo.bench.measure.memory_env), reads the peak extra
+resident memory of a call the way ``attnzoo bench`` does (VmHWM reset after gc +
+malloc_trim, minus VmRSS before; see attnzoo.bench.measure), over MEMORY_CALLS calls where
+a call is cheap, else one (:func:`peak_memories`), after one warm-up call. Times are
+medians over every timed call of every round; memory is the median over every memory call
+of every round. With ``--cheap-rounds N`` a cell whose rounds each took under CHEAP_S
+seconds a side gets N rounds: this machine's speed differs from process to process, and
+more processes steady the medians where they cost little. Full attention's cells get N
+rounds whatever they cost: both sides make the same SDPA call, so their ratio is that
+spread alone.
 
 Writes docs/performance.md (ratios ours/peer and ours/SDPA with the targets of issue 8,
 the machine, the command) and docs/performance.json (every number). Only this script
@@ -54,7 +55,14 @@ from pathlib import Path
 import torch
 
 import attnzoo
-from attnzoo.bench.measure import matmul_gflops, peak_memory, timings
+from attnzoo.bench.measure import (
+    MMAP_THRESHOLD,
+    in_memory_env,
+    matmul_gflops,
+    memory_env,
+    peak_memory,
+    timings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 B, H, D = 1, 8, 64
@@ -64,7 +72,6 @@ TIMED_S, MAX_REPEATS = 1.0, 15  # fast calls are repeated up to about TIMED_S of
 CHEAP_S = 25.0  # a cell whose every round took less a side gets --cheap-rounds rounds (cell_rounds)
 MEMORY_CALLS = 3  # memory calls a process makes where its first call took under MEMORY_CALL_S
 MEMORY_CALL_S = 1.0
-MMAP_THRESHOLD = 128 * 1024  # bytes: glibc maps larger blocks for their life (memory processes)
 AGREE_RTOL = 1e-4  # float32 outputs of one function agree to this share of their largest entry
 
 
@@ -427,8 +434,8 @@ def measure_side(case: Case, repeats: int, backward: bool, part: str = "time") -
     ``repeats`` timed calls (:func:`calls_for`) or the memory calls (:func:`peak_memories`).
     The two parts run in separate processes (:func:`run_child`): a memory call begins with
     malloc_trim(0), after which the heap is faulted in afresh, and the memory process's glibc
-    setting (:func:`memory_env`) slows large allocations (efficient's peer at 4096: 12-14 ms
-    a forward under it, 6 without)."""
+    setting (attnzoo.bench.measure.memory_env) slows large allocations (efficient's peer at
+    4096: 12-14 ms a forward under it, 6 without)."""
     if part not in ("time", "memory"):
         raise ValueError(f"part must be 'time' or 'memory', not {part!r}")
 
@@ -503,19 +510,8 @@ def agreement(pair: Pair, L: int) -> dict:
 # ---------------------------------------------------------------------------- parent
 
 
-def memory_env() -> dict[str, str]:
-    """The environment of a memory process: glibc's mmap threshold fixed at MMAP_THRESHOLD.
-    Every block of that size or more is then mapped for its life and unmapped when freed, so a
-    call's peak resident memory is its peak of live memory, not what glibc's heap failed to
-    reuse. With glibc's default (a threshold that rises as blocks are freed) the identical SDPA
-    training step at L = 4096 read 29-60 MiB from call to call, on both sides; with it, 18.0-18.1
-    MiB in every call. It must hold from the process's start: mallopt() after the first calls
-    changed nothing (the heap's free chunks still serve large requests)."""
-    return dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-
-
 def run_child(pair: str, side: str, L: int, args) -> dict:
-    """One side of a cell for one round: a process for the memory calls (:func:`memory_env`),
+    """One side of a cell for one round: a process for the memory calls (``memory_env``),
     then one for the timed calls with glibc's defaults; their results in one dict, whose
     ``child_s`` is the two processes' wall time together (:func:`cell_rounds`)."""
     memory = _child_process(pair, side, L, args, "memory")
@@ -944,7 +940,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.child:
         cap = 20 * 2**30  # an allocation past it fails as an exception, not the kernel's OOM killer
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-        if args.part == "memory" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD):
+        if args.part == "memory" and not in_memory_env():
             sys.exit(f"--part memory needs MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} set from the process's "
                      "start (see memory_env)")
         pair, side, L = args.child

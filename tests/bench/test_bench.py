@@ -1,5 +1,9 @@
 import csv
+import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import attnzoo
 from attnzoo.bench import BenchConfig, Shape, run_sweep, write
-from attnzoo.bench.measure import make_inputs
+from attnzoo.bench.measure import make_inputs, memory_env
 from attnzoo.bench.sweep import loglog_slope
 from attnzoo.cli import main
 from attnzoo.mechanisms.prob_sparse import sizes
@@ -43,7 +47,10 @@ def test_sweep_contents_are_sane(tiny_sweep):
     for c in ok:
         assert 0 < c["time_min_s"] <= c["time_s"] <= c["time_max_s"] < 60
         assert c["flops"] > 0 and c["gflops_per_s"] > 0
-        assert c["peak_bytes"] is None or c["peak_bytes"] >= 0
+        if Path("/proc/self/clear_refs").exists():  # read in the memory process (memory_env)
+            assert isinstance(c["peak_bytes"], int) and c["peak_bytes"] >= 0
+        else:
+            assert c["peak_bytes"] is None
     for c in ok:
         if c["mechanism"] == "full":
             assert c["error_gaussian"] == 0 and c["error_peaked"] == 0
@@ -125,3 +132,19 @@ def test_cells_past_the_timeout_are_skipped_with_the_reason():
     cells = run_sweep(config)["cells"]
     assert [c["status"] for c in cells] == ["skipped", "skipped"]
     assert "> timeout" in cells[0]["reason"] and "already exceeded" in cells[1]["reason"]
+
+
+def test_memory_child_needs_the_fixed_mmap_threshold_from_its_start():
+    """A sweep's memory child refuses to run without memory_env's setting (it would read the
+    heap's state as the call's memory), and with it gives each length's peak bytes."""
+    job = {"mechanism": "linear", "part": "memory", "lengths": [16, 32],
+           "shape": dataclasses.asdict(Shape(heads=1, head_dim=8)), "repeats": 1, "threads": 1,
+           "timeout_s": 60.0, "error_max_len": 0, "mem_cap_gib": 8.0, "options": {}}
+    cmd = [sys.executable, "-m", "attnzoo.bench.child", json.dumps(job)]
+    bare_env = {**memory_env(), "MALLOC_MMAP_THRESHOLD_": ""}
+    bare = subprocess.run(cmd, capture_output=True, text=True, env=bare_env)
+    assert bare.returncode != 0 and "MALLOC_MMAP_THRESHOLD_=131072" in bare.stderr
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=memory_env())
+    cells = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(c["L"], c["status"]) for c in cells] == [(16, "ok"), (32, "ok")]
+    assert all("peak_bytes" in c and "time_s" not in c for c in cells)

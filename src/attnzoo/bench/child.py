@@ -1,5 +1,7 @@
 """One mechanism's part of a sweep, in its own process: ``python -m attnzoo.bench.child JSON``.
 
+The job's ``part`` is ``time`` (:func:`~attnzoo.bench.measure.measure_cell`) or ``memory``
+(:func:`~attnzoo.bench.measure.measure_memory`, in a process started with ``memory_env()``).
 Prints one JSON line per length, ascending. After a length fails (out of memory, or one
 call ran past the timeout) the longer ones are reported skipped without running.
 """
@@ -12,7 +14,7 @@ import sys
 
 import torch
 
-from attnzoo.bench.measure import Shape, measure_cell
+from attnzoo.bench.measure import MMAP_THRESHOLD, Shape, in_memory_env, measure_cell, measure_memory
 
 
 def _emit(record: dict) -> None:
@@ -21,6 +23,10 @@ def _emit(record: dict) -> None:
 
 def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
+    memory = job["part"] == "memory"
+    if memory and not in_memory_env():
+        sys.exit(f"a memory child needs MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} from its start "
+                 "(attnzoo.bench.measure.memory_env)")
     torch.set_num_threads(job["threads"])
     cap = int(job["mem_cap_gib"] * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -31,8 +37,11 @@ def main(argv: list[str]) -> int:
             _emit({"mechanism": name, "L": L, "status": "skipped", "reason": reason})
             continue
         try:
-            cell = measure_cell(name, L, shape, job["options"], repeats=job["repeats"],
-                                error_max_len=job["error_max_len"], timeout_s=job["timeout_s"])
+            if memory:
+                cell = measure_memory(name, L, shape, job["options"], timeout_s=job["timeout_s"])
+            else:
+                cell = measure_cell(name, L, shape, job["options"], repeats=job["repeats"],
+                                    error_max_len=job["error_max_len"], timeout_s=job["timeout_s"])
         except (MemoryError, RuntimeError) as err:
             if "alloc" not in str(err).lower() and not isinstance(err, MemoryError):
                 raise

@@ -1,14 +1,17 @@
 """Measuring one mechanism in this process: inputs, time, peak memory, error against full.
 
-Run by the sweep in a fresh child process per mechanism (``python -m attnzoo.bench.child``),
-so one mechanism's allocations never count against another's.
+Run by the sweep in fresh child processes per mechanism (``python -m attnzoo.bench.child``),
+so one mechanism's allocations never count against another's: one for the timed calls
+(:func:`measure_cell`), with glibc's defaults as a user's process has them, and one for the
+memory calls (:func:`measure_memory`), started with :func:`memory_env`.
 
 Peak memory of one call: the kernel's resident high-water mark (VmHWM) is reset
 to the current resident set by writing 5 to /proc/self/clear_refs, right after
 ``gc.collect()`` and glibc ``malloc_trim(0)`` have handed freed memory back and
 after the inputs exist; the call's peak is VmHWM afterwards minus VmRSS before.
 It counts every page the call touched (intermediates, output, and with backward
-the saved activations and gradients), exact to the page, not sampled. Where
+the saved activations and gradients), exact to the page, not sampled. In a process
+started with :func:`memory_env` that is the call's peak of live memory. Where
 /proc is missing (not Linux) memory is reported as unknown.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,6 +30,7 @@ import torch
 import attnzoo
 
 FAMILIES = ("gaussian", "peaked")
+MMAP_THRESHOLD = 128 * 1024  # bytes: glibc maps larger blocks for their life (memory processes)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,23 @@ def _release_memory() -> None:
         pass
 
 
+def memory_env() -> dict[str, str]:
+    """The environment of a memory process: glibc's mmap threshold fixed at MMAP_THRESHOLD.
+    Every block of that size or more is then mapped for its life and unmapped when freed, so a
+    call's peak resident memory is its peak of live memory, not what glibc's heap failed to
+    reuse. With glibc's default (a threshold that rises as blocks are freed) the identical SDPA
+    training step at L = 4096 read 29-60 MiB from call to call; with it, 18.0-18.1 MiB in every
+    call. It must hold from the process's start: mallopt() after the first calls changed
+    nothing (the heap's free chunks still serve large requests). It also slows large
+    allocations, so timed calls run in a process without it."""
+    return dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+
+
+def in_memory_env() -> bool:
+    """Whether this process was started with :func:`memory_env`'s setting."""
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(MMAP_THRESHOLD)
+
+
 def peak_memory(fn) -> int | None:
     """Bytes of resident memory ``fn()`` adds at its peak (see the module doc), or None."""
     _release_memory()
@@ -140,14 +162,12 @@ def relative_error(name: str, shape: Shape, L: int, family: str, options: dict) 
 
 def measure_cell(name: str, L: int, shape: Shape, options: dict, *, repeats: int,
                  error_max_len: int, timeout_s: float = math.inf) -> dict:
-    """Everything the sweep records for one (mechanism, L); skipped if one call exceeds timeout_s."""
+    """What the sweep records for one (mechanism, L) but its memory (:func:`measure_memory`):
+    times, FLOPs, errors against full; skipped if one call exceeds timeout_s."""
     q, k, v = make_inputs(shape, L, "gaussian")
-    warm = timings(lambda: call(name, q, k, v, shape, options), 1)[0]
-    if warm > timeout_s:
-        return {"mechanism": name, "L": L, "status": "skipped", "warmup_s": warm,
-                "reason": f"one call took {warm:.0f} s > timeout {timeout_s:g} s"}
-    memory = peak_memory(lambda: call(name, q, k, v, shape, options))
-    call(name, q, k, v, shape, options)  # untimed: the heap grows back after peak_memory's malloc_trim
+    warm, skipped = _warm_up(name, L, q, k, v, shape, options, timeout_s)
+    if skipped:
+        return skipped
     times = timings(lambda: call(name, q, k, v, shape, options), repeats)
     spec = attnzoo.get(name)
     flops = None
@@ -161,13 +181,35 @@ def measure_cell(name: str, L: int, shape: Shape, options: dict, *, repeats: int
     cell = {
         "mechanism": name, "L": L, "status": "ok", "warmup_s": warm,
         "time_s": median, "time_min_s": min(times), "time_max_s": max(times),
-        "times_s": times, "peak_bytes": memory, "flops": flops,
+        "times_s": times, "flops": flops,
         "gflops_per_s": None if flops is None else flops / median / 1e9,
     }
     for family in FAMILIES:
         cell[f"error_{family}"] = (relative_error(name, shape, L, family, options)
                                    if L <= error_max_len else None)
     return cell
+
+
+def measure_memory(name: str, L: int, shape: Shape, options: dict, *,
+                   timeout_s: float = math.inf) -> dict:
+    """The peak extra resident bytes of one call after a warm-up (``peak_bytes``, None where
+    /proc cannot tell), for a process started with :func:`memory_env`; skipped if the warm-up
+    exceeds timeout_s."""
+    q, k, v = make_inputs(shape, L, "gaussian")
+    warm, skipped = _warm_up(name, L, q, k, v, shape, options, timeout_s)
+    if skipped:
+        return skipped
+    return {"mechanism": name, "L": L, "status": "ok", "warmup_s": warm,
+            "peak_bytes": peak_memory(lambda: call(name, q, k, v, shape, options))}
+
+
+def _warm_up(name, L, q, k, v, shape, options, timeout_s) -> tuple[float, dict | None]:
+    """One call's seconds, and the skipped cell where it exceeded timeout_s (else None)."""
+    warm = timings(lambda: call(name, q, k, v, shape, options), 1)[0]
+    if warm <= timeout_s:
+        return warm, None
+    return warm, {"mechanism": name, "L": L, "status": "skipped", "warmup_s": warm,
+                  "reason": f"one call took {warm:.0f} s > timeout {timeout_s:g} s"}
 
 
 def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:

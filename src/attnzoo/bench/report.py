@@ -19,18 +19,23 @@ CSV_FIELDS = ["mechanism", "L", "status", "reason", "time_s", "time_min_s", "tim
 METHOD = """\
 ## Method
 
-- Each mechanism runs in a fresh child process (`python -m attnzoo.bench.child`), lengths
-  ascending, with `torch.set_num_threads(threads)` and an address-space cap
-  (`RLIMIT_AS`), so an oversized allocation fails cleanly and is reported as skipped.
-- Inputs: q, k, v of shape (B, H, L, D), seeded. Per cell: one warm-up call, one call for
-  memory, then `repeats` timed calls; time is their median (min–max shown as spread).
+- Each mechanism runs in two fresh child processes (`python -m attnzoo.bench.child`), one
+  for memory, then one for time, lengths ascending, with `torch.set_num_threads(threads)`
+  and an address-space cap (`RLIMIT_AS`), so an oversized allocation fails cleanly and is
+  reported as skipped.
+- Inputs: q, k, v of shape (B, H, L, D), seeded. Per cell: one warm-up call, then
+  `repeats` timed calls; time is their median (min–max shown as spread).
   Forward calls run under `torch.no_grad()`; with `--backward` each call is a forward
   plus `out.backward(ones)`.
 - Peak memory: the kernel's resident high-water mark (VmHWM) is reset to the current
   resident set (`/proc/self/clear_refs` = 5) after `gc.collect()` and `malloc_trim(0)`,
   with the inputs already allocated; the call's peak is VmHWM after it minus VmRSS before.
   It counts every page the call touched (intermediates, output, saved activations),
-  exact to the page.
+  exact to the page. One call after a warm-up, in the memory process, started with
+  `MALLOC_MMAP_THRESHOLD_=131072`: glibc maps every block of 128 KiB or more for its life,
+  so the reading is the call's peak of live memory, not what the heap failed to reuse
+  (which moved `full`'s training step at L = 4096 between 59 and 75 MiB from run to run).
+  The timed process keeps glibc's defaults, as yours has them.
 - FLOPs: each mechanism's analytic count of the products its fast function executes
   (2 per multiply-add, block padding included; `full` causal counts the visible pairs);
   checked against `torch.utils.flop_counter` in the tests. With `--backward`, 3× the

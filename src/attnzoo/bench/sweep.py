@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import attnzoo
-from attnzoo.bench.measure import Shape, matmul_gflops
+from attnzoo.bench.measure import Shape, matmul_gflops, memory_env
 
 
 def _default_mem_cap_gib() -> float:
@@ -35,7 +35,7 @@ class BenchConfig:
     mechanisms: list[str] = field(default_factory=list)  # empty = every registered mechanism
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     shape: Shape = field(default_factory=Shape)
-    repeats: int = 3  # timed calls per cell, after one warm-up and one memory call
+    repeats: int = 3  # timed calls per cell, after one warm-up (memory: its own process)
     threads: int = field(default_factory=lambda: torch.get_num_threads())
     timeout_s: float = 60.0  # a cell whose first call takes longer is skipped, and longer L too
     error_max_len: int = 8192  # error against full only up to this length (full is O(L²))
@@ -79,20 +79,45 @@ def _skip(name: str, lengths: list[int], reason: str) -> list[dict]:
     return [{"mechanism": name, "L": L, "status": "skipped", "reason": reason} for L in lengths]
 
 
-def _run_child(name: str, config: BenchConfig, on_cell: Callable[[dict], None]) -> list[dict]:
+def _child_cmd(name: str, config: BenchConfig, part: str) -> list[str]:
     job = {
-        "mechanism": name, "lengths": config.lengths, "shape": dataclasses.asdict(config.shape),
-        "repeats": config.repeats, "threads": config.threads, "timeout_s": config.timeout_s,
-        "error_max_len": config.error_max_len, "mem_cap_gib": config.mem_cap_gib,
-        "options": config.options.get(name, {}),
+        "mechanism": name, "part": part, "lengths": config.lengths,
+        "shape": dataclasses.asdict(config.shape), "repeats": config.repeats, "threads": config.threads,
+        "timeout_s": config.timeout_s, "error_max_len": config.error_max_len,
+        "mem_cap_gib": config.mem_cap_gib, "options": config.options.get(name, {}),
     }
-    proc = subprocess.Popen([sys.executable, "-m", "attnzoo.bench.child", json.dumps(job)],
+    return [sys.executable, "-m", "attnzoo.bench.child", json.dumps(job)]
+
+
+def _per_cell_limit(config: BenchConfig) -> float:
+    return config.timeout_s * (config.repeats + 6) + 60  # a hung call: kill the child
+
+
+def _memory_child(name: str, config: BenchConfig) -> dict[int, int | None]:
+    """Peak bytes by length, from a process started with memory_env (see attnzoo.bench.measure):
+    the lengths it measured; none where it failed or hung."""
+    try:
+        proc = subprocess.run(_child_cmd(name, config, "memory"), capture_output=True, text=True,
+                              env=memory_env(), timeout=_per_cell_limit(config) * len(config.lengths))
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+    else:
+        out = proc.stdout
+    cells = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {c["L"]: c["peak_bytes"] for c in cells if c["status"] == "ok"}
+
+
+def _run_child(name: str, config: BenchConfig, on_cell: Callable[[dict], None]) -> list[dict]:
+    """A mechanism's cells: its memory process (:func:`_memory_child`), then its timed process,
+    whose cells are passed to on_cell as they come, with the memory of their length."""
+    memory = _memory_child(name, config)
+    proc = subprocess.Popen(_child_cmd(name, config, "time"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
                      daemon=True).start()
     cells: list[dict] = []
-    per_cell_limit = config.timeout_s * (config.repeats + 6) + 60  # a hung call: kill the child
+    per_cell_limit = _per_cell_limit(config)
     while len(cells) < len(config.lengths):
         try:
             line = lines.get(timeout=per_cell_limit)
@@ -107,8 +132,11 @@ def _run_child(name: str, config: BenchConfig, on_cell: Callable[[dict], None]) 
             reason = f"child failed: {err[-1] if err else f'exit code {proc.returncode}'}"
             cells += _skip(name, config.lengths[len(cells):], reason)
             break
-        cells.append(json.loads(line))
-        on_cell(cells[-1])
+        cell = json.loads(line)
+        if cell["status"] == "ok":
+            cell["peak_bytes"] = memory.get(cell["L"])
+        cells.append(cell)
+        on_cell(cell)
     proc.wait()
     return cells
 
