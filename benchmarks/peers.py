@@ -57,10 +57,10 @@ import torch
 import attnzoo
 from attnzoo.bench.measure import (
     MMAP_THRESHOLD,
-    in_memory_env,
     matmul_gflops,
     memory_env,
     peak_memory,
+    require_memory_env,
     timings,
 )
 
@@ -940,9 +940,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.child:
         cap = 20 * 2**30  # an allocation past it fails as an exception, not the kernel's OOM killer
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-        if args.part == "memory" and not in_memory_env():
-            sys.exit(f"--part memory needs MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} set from the process's "
-                     "start (see memory_env)")
+        if args.part == "memory":
+            require_memory_env()
         pair, side, L = args.child
         result = child(pair, side, int(L), args.repeats, not args.no_backward, args.threads, args.part)
         print("RESULT:" + json.dumps(result), flush=True)

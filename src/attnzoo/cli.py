@@ -92,17 +92,20 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         repeats=args.repeats, threads=args.threads, timeout_s=args.timeout,
         error_max_len=args.error_max_len, options=_mechanism_options(args.option),
     )
-    total = len(config.mechanisms) * len(config.lengths)
+    total = 2 * len(config.mechanisms) * len(config.lengths)  # a memory reading and a timed cell each
     columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("", total=total)
 
-        def on_cell(cell: dict) -> None:
-            note = "" if cell["status"] == "ok" else " (skipped)"
-            progress.update(task, advance=1, description=f"{cell['mechanism']} L={cell['L']}{note}")
+        def step(part: str) -> Callable[[dict], None]:
+            def on(cell: dict) -> None:
+                note = "" if cell["status"] == "ok" else " (skipped)"
+                where = f"{cell['mechanism']} L={cell['L']} {part}"
+                progress.update(task, advance=1, description=where + note)
+            return on
 
-        result = run_sweep(config, on_cell)
+        result = run_sweep(config, step("time"), step("memory"))
     command = "attnzoo bench " + " ".join(args.argv) if args.argv else "attnzoo bench"
     paths = write(result, Path(args.out), command=command)
     console.print(_bench_table(result))

@@ -23,12 +23,14 @@ def tiny_sweep(tmp_path_factory):
     config = BenchConfig(mechanisms=["full", "local", "efficient"], lengths=[128, 64],
                          shape=Shape(heads=2, head_dim=16, causal=True), repeats=2, threads=1,
                          options={"local": {"window": 16}})
-    result = run_sweep(config)
-    return result, write(result, out), out
+    events: list[tuple[str, str, int]] = []
+    result = run_sweep(config, on_cell=lambda c: events.append(("time", c["mechanism"], c["L"])),
+                       on_memory=lambda c: events.append(("memory", c["mechanism"], c["L"])))
+    return result, write(result, out), out, events
 
 
 def test_sweep_writes_every_file(tiny_sweep):
-    result, paths, out = tiny_sweep
+    result, paths, out, _ = tiny_sweep
     names = {p.name for p in paths}
     assert {"results.json", "results.csv", "report.md", "time_vs_length.png",
             "memory_vs_length.png", "error.png"} <= names
@@ -39,8 +41,17 @@ def test_sweep_writes_every_file(tiny_sweep):
     assert len(rows) == 3 * 2
 
 
+def test_sweep_reports_progress_for_both_processes(tiny_sweep):
+    """Each mechanism's memory readings as they come, then its timed cells; a mechanism skipped
+    whole (efficient: no causal form) passes through both, so a bar of 2 steps a cell fills."""
+    *_, events = tiny_sweep
+    expected = [(part, name, L) for name in ("full", "local", "efficient") for part in ("memory", "time")
+                for L in (64, 128)]
+    assert events == expected
+
+
 def test_sweep_contents_are_sane(tiny_sweep):
-    result, _, out = tiny_sweep
+    result, _, out, _ = tiny_sweep
     assert result["config"]["lengths"] == [64, 128]  # sorted
     ok = [c for c in result["cells"] if c["status"] == "ok"]
     assert {c["mechanism"] for c in ok} == {"full", "local"}

@@ -107,9 +107,12 @@ def memory_env() -> dict[str, str]:
     return dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
 
 
-def in_memory_env() -> bool:
-    """Whether this process was started with :func:`memory_env`'s setting."""
-    return os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(MMAP_THRESHOLD)
+def require_memory_env() -> None:
+    """Raise RuntimeError unless this process was started with :func:`memory_env`'s setting: a
+    memory process without it would read what glibc's heap kept as the call's memory."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD):
+        raise RuntimeError(f"a memory process needs MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} set from its "
+                           "start (attnzoo.bench.measure.memory_env)")
 
 
 def peak_memory(fn) -> int | None:

@@ -93,26 +93,13 @@ def _per_cell_limit(config: BenchConfig) -> float:
     return config.timeout_s * (config.repeats + 6) + 60  # a hung call: kill the child
 
 
-def _memory_child(name: str, config: BenchConfig) -> dict[int, int | None]:
-    """Peak bytes by length, from a process started with memory_env (see attnzoo.bench.measure):
-    the lengths it measured; none where it failed or hung."""
-    try:
-        proc = subprocess.run(_child_cmd(name, config, "memory"), capture_output=True, text=True,
-                              env=memory_env(), timeout=_per_cell_limit(config) * len(config.lengths))
-    except subprocess.TimeoutExpired as err:
-        out = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
-    else:
-        out = proc.stdout
-    cells = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {c["L"]: c["peak_bytes"] for c in cells if c["status"] == "ok"}
-
-
-def _run_child(name: str, config: BenchConfig, on_cell: Callable[[dict], None]) -> list[dict]:
-    """A mechanism's cells: its memory process (:func:`_memory_child`), then its timed process,
-    whose cells are passed to on_cell as they come, with the memory of their length."""
-    memory = _memory_child(name, config)
-    proc = subprocess.Popen(_child_cmd(name, config, "time"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _child(name: str, config: BenchConfig, part: str, on_cell: Callable[[dict], None]) -> list[dict]:
+    """One part of a mechanism's cells, ``memory`` or ``time`` (see attnzoo.bench.child), from
+    a process of its own (the memory one started with memory_env, see attnzoo.bench.measure):
+    each passed to on_cell as it comes. The lengths it did not finish are skipped with the
+    reason: it failed, or went past the per-cell limit without a cell (then it is killed)."""
+    proc = subprocess.Popen(_child_cmd(name, config, part), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=memory_env() if part == "memory" else None)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
                      daemon=True).start()
@@ -124,21 +111,36 @@ def _run_child(name: str, config: BenchConfig, on_cell: Callable[[dict], None]) 
         except queue.Empty:
             proc.kill()
             left = config.lengths[len(cells):]
-            cells += _skip(name, left, f"killed after {per_cell_limit:.0f} s without finishing L={left[0]}")
-            break
-        if line is None:  # the child ended early: report why
-            proc.wait()
+            skipped = _skip(name, left, f"killed after {per_cell_limit:.0f} s without finishing L={left[0]}")
+        else:
+            if line is not None:
+                cells.append(json.loads(line))
+                on_cell(cells[-1])
+                continue
+            proc.wait()  # the child ended early: report why
             err = proc.stderr.read().strip().splitlines()
-            reason = f"child failed: {err[-1] if err else f'exit code {proc.returncode}'}"
-            cells += _skip(name, config.lengths[len(cells):], reason)
-            break
-        cell = json.loads(line)
-        if cell["status"] == "ok":
-            cell["peak_bytes"] = memory.get(cell["L"])
-        cells.append(cell)
-        on_cell(cell)
+            skipped = _skip(name, config.lengths[len(cells):],
+                            f"child failed: {err[-1] if err else f'exit code {proc.returncode}'}")
+        for cell in skipped:
+            cells.append(cell)
+            on_cell(cell)
+        break
     proc.wait()
     return cells
+
+
+def _run_child(name: str, config: BenchConfig, on_cell: Callable[[dict], None],
+               on_memory: Callable[[dict], None]) -> list[dict]:
+    """A mechanism's cells: its memory process, then its timed one, whose cells carry the peak
+    bytes of their length (None where the memory process did not measure it)."""
+    readings = _child(name, config, "memory", on_memory)
+    memory = {c["L"]: c["peak_bytes"] for c in readings if c["status"] == "ok"}
+
+    def timed(cell: dict) -> None:
+        if cell["status"] == "ok":
+            cell["peak_bytes"] = memory.get(cell["L"])  # (in place: _child returns the same dicts)
+        on_cell(cell)
+    return _child(name, config, "time", timed)
 
 
 def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
@@ -170,8 +172,13 @@ def derived(cells: list[dict], mechanisms: list[str]) -> dict[str, dict]:
     return out
 
 
-def run_sweep(config: BenchConfig, on_cell: Callable[[dict], None] = lambda cell: None) -> dict:
-    """Run every cell; never raises for a cell (it is recorded as skipped with the reason)."""
+def run_sweep(config: BenchConfig, on_cell: Callable[[dict], None] = lambda cell: None,
+              on_memory: Callable[[dict], None] = lambda cell: None) -> dict:
+    """Run every cell; never raises for a cell (it is recorded as skipped with the reason).
+
+    Progress: on_memory gets each length's memory reading as it comes, then on_cell each
+    timed cell, mechanism by mechanism; a mechanism skipped whole (no causal form) gives each
+    of its cells to both, so each is called once per mechanism and length."""
     cells: list[dict] = []
     for name in config.mechanisms:
         spec = attnzoo.get(name)
@@ -179,10 +186,11 @@ def run_sweep(config: BenchConfig, on_cell: Callable[[dict], None] = lambda cell
             reason = f"no causal form: {spec.reason_not_causal}"
             skipped = _skip(name, config.lengths, reason)
             cells += skipped
-            for cell in skipped:
-                on_cell(cell)
+            for report in (on_memory, on_cell):
+                for cell in skipped:
+                    report(cell)
             continue
-        cells += _run_child(name, config, on_cell)
+        cells += _run_child(name, config, on_cell, on_memory)
     return {
         "machine": machine_info(config.threads),
         "config": {**dataclasses.asdict(config)},
