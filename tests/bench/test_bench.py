@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import attnzoo
-from attnzoo.bench import BenchConfig, Shape, run_sweep, write
+from attnzoo.bench import BenchConfig, Shape, run_sweep, sweep, write
 from attnzoo.bench.measure import make_inputs, memory_env
 from attnzoo.bench.sweep import loglog_slope
 from attnzoo.cli import main
@@ -159,3 +159,33 @@ def test_memory_child_needs_the_fixed_mmap_threshold_from_its_start():
     cells = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(c["L"], c["status"]) for c in cells] == [(16, "ok"), (32, "ok")]
     assert all("peak_bytes" in c and "time_s" not in c for c in cells)
+
+
+def _fake_children(monkeypatch, script: str) -> None:
+    """Every sweep child runs ``script`` (python -c) instead, with a per-cell limit of 2 s."""
+    monkeypatch.setattr(sweep, "_child_cmd", lambda name, config, part: [sys.executable, "-c", script])
+    monkeypatch.setattr(sweep, "_per_cell_limit", lambda config: 2.0)
+
+
+CELL = {"mechanism": "full", "L": 32, "status": "ok", "time_s": 0.5, "peak_bytes": 7}
+FIRST_CELL = f"import json, sys; print(json.dumps({CELL}))"  # then the length 64 does not come
+
+
+@pytest.mark.parametrize("tail, reason", [
+    ("; sys.stdout.flush(); sys.exit('boom at L=64')", "child failed: boom at L=64"),
+    ("; sys.stdout.flush(); import time; time.sleep(30)", "killed after 2 s without finishing L=64"),
+])
+def test_a_child_that_fails_or_hangs_leaves_its_lengths_skipped_with_the_reason(monkeypatch, tail, reason):
+    _fake_children(monkeypatch, FIRST_CELL + tail)
+    config = BenchConfig(mechanisms=["full"], lengths=[32, 64], shape=Shape(heads=1, head_dim=8))
+    seen = []
+    cells = run_sweep(config, on_cell=seen.append)["cells"]
+    assert [c["status"] for c in cells] == ["ok", "skipped"] and cells[1]["reason"] == reason
+    assert cells[0]["peak_bytes"] == 7 and seen == cells
+
+
+def test_a_child_writing_much_to_stderr_does_not_stall(monkeypatch):
+    """Its stderr goes to a file: 1 MiB of warnings would fill a pipe nobody reads."""
+    _fake_children(monkeypatch, FIRST_CELL.replace("print(", "sys.stderr.write('w' * 2**20); print(", 1))
+    config = BenchConfig(mechanisms=["full"], lengths=[32], shape=Shape(heads=1, head_dim=8))
+    assert [c["status"] for c in run_sweep(config)["cells"]] == ["ok"]

@@ -11,6 +11,7 @@ import platform
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,35 +98,36 @@ def _child(name: str, config: BenchConfig, part: str, on_cell: Callable[[dict], 
     """One part of a mechanism's cells, ``memory`` or ``time`` (see attnzoo.bench.child), from
     a process of its own (the memory one started with memory_env, see attnzoo.bench.measure):
     each passed to on_cell as it comes. The lengths it did not finish are skipped with the
-    reason: it failed, or went past the per-cell limit without a cell (then it is killed)."""
-    proc = subprocess.Popen(_child_cmd(name, config, part), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=memory_env() if part == "memory" else None)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
-                     daemon=True).start()
-    cells: list[dict] = []
-    per_cell_limit = _per_cell_limit(config)
-    while len(cells) < len(config.lengths):
-        try:
-            line = lines.get(timeout=per_cell_limit)
-        except queue.Empty:
-            proc.kill()
-            left = config.lengths[len(cells):]
-            skipped = _skip(name, left, f"killed after {per_cell_limit:.0f} s without finishing L={left[0]}")
-        else:
-            if line is not None:
-                cells.append(json.loads(line))
-                on_cell(cells[-1])
+    reason: it failed, or went past the per-cell limit without a cell (then it is killed).
+    Its stderr goes to a file, read if it fails: a pipe left unread could fill and stall it."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(_child_cmd(name, config, part), stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, env=memory_env() if part == "memory" else None)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                         daemon=True).start()
+        cells: list[dict] = []
+        per_cell_limit, reason = _per_cell_limit(config), None
+        while reason is None and len(cells) < len(config.lengths):
+            try:
+                line = lines.get(timeout=per_cell_limit)
+            except queue.Empty:
+                proc.kill()
+                at = config.lengths[len(cells)]
+                reason = f"killed after {per_cell_limit:.0f} s without finishing L={at}"
                 continue
-            proc.wait()  # the child ended early: report why
-            err = proc.stderr.read().strip().splitlines()
-            skipped = _skip(name, config.lengths[len(cells):],
-                            f"child failed: {err[-1] if err else f'exit code {proc.returncode}'}")
-        for cell in skipped:
+            if line is None:  # the child ended early: say why
+                proc.wait()
+                stderr.seek(0)
+                err = stderr.read().strip().splitlines()
+                reason = f"child failed: {err[-1] if err else f'exit code {proc.returncode}'}"
+                continue
+            cells.append(json.loads(line))
+            on_cell(cells[-1])
+        for cell in _skip(name, config.lengths[len(cells):], reason) if reason else []:
             cells.append(cell)
             on_cell(cell)
-        break
-    proc.wait()
+        proc.wait()
     return cells
 
 
