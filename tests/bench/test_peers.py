@@ -115,6 +115,35 @@ def test_report_ratios_and_targets():
     assert "0.05 ✓" in vs_sdpa  # 0.2 s against SDPA's 4.0 s at 16384: ≤ 0.2
 
 
+def test_report_summary_counts_the_marks_and_gives_each_miss():
+    """The summary counts every ✓ and ✗ of the tables and names each miss with the time that
+    meets it; a time missed gets what that asks of the FLOP floor beside SDPA's own, and a miss
+    with a known cause gets it."""
+    floor = peers.floor_s(peers.PAIRS["nystrom"], 4096, _doc({}))
+    sdpa_floor = peers.floor_s(peers.PAIRS["full"], 4096, _doc({}))
+    cells = {
+        "full/4096": {"ours": _side(1.01 * sdpa_floor, 9), "peer": _side(sdpa_floor, 9)},  # 4 ✓
+        "nystrom/4096": {"ours": _side(0.30, 40), "peer": {**_side(1.0, 200), "fwdbwd_s": 1.5}},
+        "log_sparse/4096": {"ours": _side(2.0 * sdpa_floor, 9)},  # 2.0 against SDPA: ✗
+    }
+    text = peers.report(_doc(cells))
+    summary = text.split("## Summary")[1].split("## Ours against the peer")[0]
+    assert "7 of 9 marked ratios meet their target:" in summary  # full 4, nystrom 4, log_sparse 1
+    table_marks = [cell.strip()[-1] for line in text.splitlines() if line.startswith("|")
+                   for cell in line.split("|") if cell.strip().endswith(("✓", "✗"))]
+    assert len(peers.marks(_doc(cells))) == len(table_marks) == 9 and table_marks.count("✗") == 2
+    nystrom = next(line for line in summary.splitlines() if line.startswith("- ✗ `nystrom`"))
+    need = 0.5 * 1.5 / (peers.STEP_WORK * floor)  # 0.5 of the peer's 1.5 s over the step's floor
+    assert ("training-step time against the peer: 900 ms / 1500 ms = 0.60, target ≤ 0.5: met at 750 ms"
+            in nystrom)
+    assert f"That is {need:.2f}× its FLOP floor (the forward's × 3), where SDPA's own took 1.00×" in nystrom
+    assert "Why: nearly all of this step" in summary
+    log_sparse = next(line for line in summary.splitlines() if line.startswith("- ✗ `log_sparse`"))
+    assert "forward time against SDPA" in log_sparse and "= 2.00, target ≤ 1:" in log_sparse
+    met = {"full/4096": cells["full/4096"]}
+    assert "4 of 4 marked ratios meet their target." in peers.report(_doc(met))
+
+
 def test_report_gives_each_forward_over_its_floor_and_the_target_it_sets():
     floor = peers.floor_s(peers.PAIRS["linformer"], 4096, _doc({}))
     cells = {"linformer/4096": {"ours": _side(1.4 * floor, 9), "peer": _side(1.9 * floor, 9)},
