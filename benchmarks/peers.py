@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/peers.py                  # every pair, L = 1024 4096 16384
     .venv/bin/python benchmarks/peers.py --only lsh,linear_causal --lengths 4096 --rounds 1
     .venv/bin/python benchmarks/peers.py --list
+    .venv/bin/python benchmarks/peers.py --render        # docs/performance.md anew from its JSON
 
 For every pair and length, ours and the peer run on the same inputs (same seed, each in
 its library's layout, converted before the call) and the same configuration, each in a
@@ -1015,6 +1016,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child-timeout", type=float, default=1200.0)
     ap.add_argument("--out", default=str(ROOT / "docs" / "performance.md"))
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--render", action="store_true",
+                    help="rewrite --out from the JSON beside it (that run, this code); run nothing")
     ap.add_argument("--child", nargs=3, metavar=("PAIR", "SIDE", "L"))
     ap.add_argument("--part", choices=("time", "memory"), default="time",
                     help="with --child: the timed calls, or the memory calls (needs memory_env)")
@@ -1023,6 +1026,9 @@ def main(argv: list[str] | None = None) -> None:
         for n, p in PAIRS.items():
             label = p.peer_label or '(SDPA only)'
             print(f"{n:20s} {'causal' if p.causal else '      '} {p.scope:6s} {label}")
+    elif args.render:
+        out = Path(args.out)
+        out.write_text(report(json.loads(out.with_suffix(".json").read_text())))
     elif args.child:
         cap = 20 * 2**30  # an allocation past it fails as an exception, not the kernel's OOM killer
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

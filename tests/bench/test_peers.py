@@ -144,6 +144,16 @@ def test_report_summary_counts_the_marks_and_gives_each_miss():
     assert "4 of 4 marked ratios meet their target." in peers.report(_doc(met))
 
 
+def test_render_rewrites_the_report_from_its_json(tmp_path):
+    """--render: the report anew from the run's JSON, the same text report() gives, no run."""
+    out = tmp_path / "perf.md"
+    doc = _doc({"efficient/16384": {"ours": _side(0.05, 40), "peer": _side(0.11, 96)}})
+    out.with_suffix(".json").write_text(json.dumps(doc))
+    out.write_text("stale")
+    peers.main(["--render", "--out", str(out)])
+    assert out.read_text() == peers.report(doc) and "| efficient |" in out.read_text()
+
+
 def test_report_gives_each_forward_over_its_floor_and_the_target_it_sets():
     floor = peers.floor_s(peers.PAIRS["linformer"], 4096, _doc({}))
     cells = {"linformer/4096": {"ours": _side(1.4 * floor, 9), "peer": _side(1.9 * floor, 9)},
