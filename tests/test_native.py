@@ -186,26 +186,46 @@ def _causal_linear(q, k, v):
         return attnzoo.attention(q, k, v, mechanism="linear", causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_native_backward_non_causal(monkeypatch, masked):
-    """Training through the native kernels (non-causal): gradients against the reference's on
-    unequal odd lengths (rows past a group of four), padded keys, D != Dv; gradcheck; and the
-    same gradients from the eager engine."""
-    calls = []
-    monkeypatch.setattr(_native, "linear", _spy(_native.linear, "linear", calls))
-    for seed, (Lq, Lk, D, Dv) in enumerate([(9, 14, 8, 5), (6, 3, 17, 8), (1, 5, 3, 1)]):
-        check_against_reference("linear", B=2, H=3, Lq=Lq, Lk=Lk, D=D, Dv=Dv, masked=masked, seed=seed)
-    check_gradcheck("linear", Lq=7, Lk=6, masked=masked)
+def test_native_backward(monkeypatch, masked, causal):
+    """Training through the native kernels: gradients against the reference's on unequal odd
+    lengths (rows past a group of four; causal: keys before the first query, whose gradients
+    come through the state before, and queries before the first key), padded keys, D != Dv;
+    gradcheck; and the same gradients from the eager engine."""
+    calls, name = [], "causal_linear" if causal else "linear"
+    monkeypatch.setattr(_native, name, _spy(getattr(_native, name), name, calls))
+    for seed, (Lq, Lk, D, Dv) in enumerate([(9, 14, 8, 5), (6, 3, 17, 8), (1, 5, 3, 1), (13, 13, 16, 16)]):
+        check_against_reference("linear", B=2, H=3, Lq=Lq, Lk=Lk, D=D, Dv=Dv, causal=causal, masked=masked,
+                                seed=seed)
+    check_gradcheck("linear", Lq=7, Lk=6, causal=causal, masked=masked)
     assert calls and all(ran for _, ran in calls), calls
     q, k, v, km = random_inputs(B=2, H=2, Lq=11, Lk=13, D=6, Dv=4, masked=masked, requires_grad=True)
     g = torch.randn(2, 2, 11, 4, dtype=q.dtype)
     grads = []
     for native in ("1", "0"):
         monkeypatch.setenv("ATTNZOO_NATIVE", native)
-        out = attnzoo.attention(q, k, v, mechanism="linear", key_mask=km)
+        out = attnzoo.attention(q, k, v, mechanism="linear", causal=causal, key_mask=km)
         grads.append(torch.autograd.grad(out, (q, k, v), g))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+def test_native_causal_backward_carries_the_states_gradient():
+    """linear_step from a state that needs gradients: the kernel's backward gives the state
+    before its gradient, so two steps of 7 and 6 positions differentiate as one call over 13
+    (float32 too: the polynomial exp and its slope)."""
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        q, k, v, _ = random_inputs(B=2, H=2, Lq=13, Lk=13, D=8, Dv=5, seed=4, requires_grad=True)
+        q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        g = torch.randn(2, 2, 13, 5, dtype=dtype)
+        whole = attnzoo.attention(q, k, v, mechanism="linear", causal=True)
+        first, state = linear_step(q[:, :, :7], k[:, :, :7], v[:, :, :7])
+        second, _ = linear_step(q[:, :, 7:], k[:, :, 7:], v[:, :, 7:], state)
+        a = torch.autograd.grad(whole, (q, k, v), g)
+        b = torch.autograd.grad(torch.cat([first, second], 2), (q, k, v), g)
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, atol=tol, rtol=tol)
 
 
 @settings(max_examples=30, deadline=None)

@@ -103,6 +103,7 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
         return None
     ptr, i64, scalar = ctypes.c_void_p, ctypes.c_int64, _SCALARS[real]
     signatures = {"causal_linear": [ptr] * 4 + [i64] * 3 + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
+                  "causal_linear_grad": [ptr] * 6 + [i64] * 4 + [ptr] * 7 + [i64] * 2 + [scalar] * 2,
                   "linear_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 2 + [i64] * 2 + [scalar],
                   "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
                   "linear_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 2 + [scalar] * 2,
@@ -244,9 +245,14 @@ def _floor(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).tiny)
 
 
+def _traced(*ts) -> bool:
+    """Whether autograd will differentiate through any of the tensors among ``ts`` here."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
+
+
 def _with_autograd(function, forward, lib, q, k, v, *args):
     """``function.apply(q, k, v, *args, lib)`` where autograd needs it, else ``forward``'s output."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if _traced(q, k, v):
         return function.apply(q, k, v, *args, lib)
     return forward(lib, q, k, v, *args)[0]
 
@@ -269,10 +275,18 @@ def causal_linear(q, k, v, S, z, key_mask, eps):
     S (B, H, D, Dv), z (B, H, D) -> (out (B, H, L, Dv), S after, z after), each key j <= i for
     query i; ``key_mask`` (B, L) bool or None (False: a padded key, no part in the state).
     Queries and keys aligned (the caller handles keys before the first query). O(L·D·Dv) time,
-    O(D·Dv) memory beside the output. None where the kernels cannot run (:func:`_kernels`)."""
+    O(D·Dv) memory beside the output; under autograd the backward is native too
+    (:class:`_CausalLinear`). None where the kernels cannot run (:func:`_kernels`)."""
     lib = _kernels(q, k, v, S, z)
     if lib is None:
         return None
+    if _traced(q, k, v, S, z):
+        return _CausalLinear.apply(q, k, v, S, z, key_mask, eps, lib)
+    return _causal_linear_forward(lib, q, k, v, S, z, key_mask, eps)
+
+
+def _causal_linear_forward(lib, q, k, v, S, z, key_mask, eps):
+    """(out, S after, z after) of :func:`causal_linear`."""
     (B, H, L, D), Dv = q.shape, v.shape[-1]
     q, k, v = _heads(q), _heads(k), _heads(v)
     S, z = S.contiguous().clone(), z.contiguous().clone()  # (overwritten with the state after)
@@ -282,6 +296,36 @@ def causal_linear(q, k, v, S, z, key_mask, eps):
         _at(q, a), _at(k, a), _at(v, a), _at(ok, a, L), q.stride(1), k.stride(1), v.stride(1),
         _at(out, a, L * Dv), _at(S, a, D * Dv), _at(z, a, D), b - a, L, eps, floor))
     return out, S, z
+
+
+class _CausalLinear(torch.autograd.Function):
+    """:func:`causal_linear` under autograd: the forward keeps the state before and the output
+    (no features, no state per position); the backward runs the recurrence again in C, forward
+    for dq, then backward for dk, dv and the state before's gradients (kernels.c,
+    causal_linear_grad): O(L·D·Dv) time, O(L) memory beside the gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, S, z, key_mask, eps, lib):
+        out, S_after, z_after = _causal_linear_forward(lib, q, k, v, S, z, key_mask, eps)
+        ctx.save_for_backward(q, k, v, S, z, key_mask, out)
+        ctx.eps, ctx.lib = eps, lib
+        return out, S_after, z_after
+
+    @staticmethod
+    def backward(ctx, g_out, g_S, g_z):
+        q, k, v, S, z, key_mask, out = ctx.saved_tensors
+        lib, (B, H, L, D), Dv = ctx.lib, q.shape, v.shape[-1]
+        q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(g_out)
+        S, z = S.contiguous(), z.contiguous()
+        dq, dk, dv = fresh_like(q, k, v)
+        dS, dz = g_S.contiguous().clone(), g_z.contiguous().clone()  # in: the state after's; out: before's
+        ok, floor = _key_ok(key_mask, B, H, L), _floor(q.dtype)
+        _split_heads(lib, B * H, lambda a, b: _checked(lib.causal_linear_grad(
+            _at(q, a), _at(k, a), _at(v, a), _at(ok, a, L), _at(g, a), _at(out, a, L * Dv), q.stride(1),
+            k.stride(1), v.stride(1), g.stride(1), _at(S, a, D * Dv), _at(z, a, D), _at(dq, a, L * D),
+            _at(dk, a, L * D), _at(dv, a, L * Dv), _at(dS, a, D * Dv), _at(dz, a, D), b - a, L, ctx.eps,
+            floor)))
+        return dq, dk, dv, dS, dz, None, None, None
 
 
 def linear(q, k, v, key_mask, eps):

@@ -516,8 +516,8 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     the starting state). ``kv0`` continues from a state; the state is returned when causal.
     ``closes_over``: tensors the maps use (see :func:`stream_kernel`). ``native``: kernels in
     place of the blocks where they run (:mod:`attnzoo._native`, for φ = elu + 1; they return
-    None where not): ``linear`` (with its own backward), and in inference ``causal_linear`` for
-    the aligned causal part.
+    None where not): ``linear`` and ``causal_linear`` (the aligned causal part), each with its
+    own backward.
     """
     if not causal:
         ran = None if native is None or needs_grad(*closes_over) else native.linear(q, k, v, key_mask, eps)
@@ -539,14 +539,16 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
     step = _CausalStep(phi_q, phi_k, chunk, eps)
     out = q_al.new_zeros(*q.shape[:2], 0, v.shape[-1])
     if Lq > blind:
-        traced = needs_grad(q, k, v, S, z, *closes_over)
-        if traced and not any(t.requires_grad for t in closes_over):
+        traced, maps_traced = needs_grad(q, k, v, S, z, *closes_over), needs_grad(*closes_over)
+        ran = None if native is None or maps_traced else native.causal_linear(
+            q_al, k_al, v_al, S, z, m_al, eps)
+        if ran is not None:  # natively, with its own backward
+            out, S, z = ran
+        elif traced and not maps_traced:
             out, S, z = _CausalBlocks.apply(q_al, k_al, v_al, S, z, m_al, step, rows)
-        else:  # inference (natively where given and it runs), or autograd through the maps' tensors
-            ran = None if traced or native is None else native.causal_linear(
-                q_al, k_al, v_al, S, z, m_al, eps)
-            out, S, z = ran if ran is not None else _causal_run(
-                q_al, k_al, v_al, (S, z), m_al, step, rows, scratch=None if traced else Scratch(q))
+        else:  # inference, or autograd through the maps' tensors
+            out, S, z = _causal_run(q_al, k_al, v_al, (S, z), m_al, step, rows,
+                                    scratch=None if traced else Scratch(q))
     if blind:  # queries before the first key see nothing
         out = torch.cat([v.new_zeros(*q_blind.shape[:3], v.shape[-1]), out], 2)
     return out, LinearState(torch.cat([S, z.unsqueeze(-1)], -1))
@@ -664,8 +666,9 @@ def linear_attention(q, k, v, opts=LinearOptions(), *, causal=False, key_mask=No
     autograd. Katharopoulos et al., ICML 2020. The seed notebook's cell computes
     φ(Q)(φ(K)ᵀV) without the normaliser φ(Q)(φ(K)ᵀ1); we implement the paper's.
     With φ = elu + 1, C kernels run where a compiler builds them (:mod:`attnzoo._native`):
-    non-causal forward and backward, and causal inference by the paper's recurrence (O(L·D·Dv)
-    time, O(D·Dv) memory); causal training keeps the chunked engine.
+    non-causal, and causal by the paper's recurrence (O(L·D·Dv) time, O(D·Dv) memory; its
+    backward runs the recurrence again, forward for dq and backward for dk and dv), forward
+    and backward.
     """
     _no_scale("linear", scale)
     phi = _feature_map(opts)

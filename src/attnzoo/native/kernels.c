@@ -12,7 +12,8 @@
  * and stores); the loops over DV are vectorised by the compiler. DK, DV and REAL (float or
  * double) are set when it is compiled (attnzoo/_native.py). Work: 2 DK DV multiply-adds per
  * key and per query, the algorithm's least (the FLOP floor of issue 8). The non-causal
- * backward (linear_queries_grad, linear_keys_grad) likewise: 4 DK DV a position.
+ * backward (linear_queries_grad, linear_keys_grad) likewise: 4 DK DV a position; the causal
+ * one (causal_linear_grad) runs the recurrence forward for dq, then backward: 6 DK DV.
  */
 #include <math.h>
 #include <stdint.h>
@@ -500,6 +501,120 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
         }
         streams_done();
         free(dSt);
+    }
+    return status;
+}
+
+/* The features of one row x (DK values): phi, padded with zeros to whole lanes; all 0 where the
+ * row takes no part (a fill after, as two_features). */
+static AI void features_of(const REAL *restrict x, int ok, REAL *restrict f, REAL floor_) {
+    for (int d = 0; d < DK; d++) f[d] = phi(x[d], floor_);
+    for (int d = DK; d < DKP; d++) f[d] = 0;
+    if (!ok) memset(f, 0, sizeof(REAL) * DK);
+}
+
+/* a . b over DV values, summed lane by lane where whole lanes go (so that it vectorises). */
+static inline REAL dot_dv(const REAL *restrict a, const REAL *restrict b) {
+    lanes_v l = {0}, x, y;
+    int e = 0;
+    for (; e + LANES <= DV; e += LANES) {
+        memcpy(&x, a + e, sizeof x);
+        memcpy(&y, b + e, sizeof y);
+        l += x * y;
+    }
+    REAL tail = 0;
+    for (; e < DV; e++) tail += a[e] * b[e];
+    return tail + lanes_sum(&l);
+}
+
+/* Causal backward of causal_linear from the output's gradient g (rows of DV, heads g_head apart),
+ * the output out (n_heads, L, DV) and the state before, S0 (n_heads, DK, DV) and z0 (n_heads, DK).
+ * With f = phi(q_t), den_t = f . z_t + eps, gn_t = g_t / den_t and gden_t = -(gn_t . out_t):
+ * forward through the positions, the state (S_t, z_t) again, dq_t = (S_t gn_t + gden_t z_t) * phi'(q_t);
+ * then backward, R_t = dS + sum_{i >= t} f_i gn_i^T and r_t = dz + sum_{i >= t} f_i gden_i:
+ * dk_t = (R_t v_t + r_t) * phi'(k_t), dv_t = R_t^T phi(k_t) (0 for a key key_ok leaves out).
+ * dS (n_heads, DK, DV) and dz (n_heads, DK) hold the gradients of the state after on entry and
+ * those of the state before on return (R and r at t = 0). The forward pass keeps S^T (each
+ * update and product along DK: no sums across lanes); the backward keeps R and R^T, updated
+ * alike, so that R^T phi(k) and R v are both such products. Work: 6 DK DV multiply-adds a
+ * position, with the forward's 2 the step's 8 (its floor: 6). Returns 0, or -1 without memory
+ * for S^T, R^T and the positions' 1/den and gden. */
+int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, const REAL *g,
+                       const REAL *out, int64_t q_head, int64_t k_head, int64_t v_head, int64_t g_head,
+                       const REAL *S0, const REAL *z0, REAL *dq, REAL *dk, REAL *dv, REAL *dS, REAL *dz,
+                       int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
+    const int stream_dq = can_stream(dq, DK), stream_dk = can_stream(dk, DK), stream_dv = can_stream(dv, DV);
+    int status = 0;
+    OVER_HEADS_STATUS
+    for (int64_t h = 0; h < n_heads; h++) {
+        REAL *T = malloc(sizeof(REAL) * DV * DKP), *per = malloc(sizeof(REAL) * 2 * (L > 0 ? L : 1));
+        if (!T || !per) {
+            free(T);
+            free(per);
+            status = -1;
+            continue;
+        }
+        const REAL *Q = q + h * q_head, *K = k + h * k_head, *V = v + h * v_head, *G = g + h * g_head;
+        const REAL *O = out + h * L * DV;
+        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
+        REAL *R = dS + h * DK * DV, z[DKP] = {0}, r[DKP] = {0}, fq[DKP], fk[DKP], df[DKP], gn[DV], dvt[DV];
+        for (int d = 0; d < DK; d++) z[d] = z0[h * DK + d], r[d] = dz[h * DK + d];
+        for (int e = 0; e < DV; e++) /* T = S0^T, rows padded to whole lanes */
+            for (int d = 0; d < DKP; d++) T[e * DKP + d] = d < DK ? S0[h * DK * DV + d * DV + e] : 0;
+        for (int64_t t = 0; t < L; t++) { /* forward: S_t, z_t; dq */
+            const int part = !ok || ok[t];
+            features_of(Q + t * DK, 1, fq, floor_);
+            features_of(K + t * DK, part, fk, floor_);
+            for (int d = 0; d < DKP; d++) z[d] += fk[d];
+            const REAL inv = 1 / dot_lanes(fq, z, eps);
+            for (int e = 0; e < DV; e++) gn[e] = G[t * DV + e] * inv;
+            const REAL gden = -dot_dv(gn, O + t * DV);
+            per[2 * t] = inv, per[2 * t + 1] = gden;
+            for (int d = 0; d < DKP; d++) df[d] = gden * z[d];
+            for (int e = 0; e < DV; e++) { /* S^T += v phi(k)^T, then S gn */
+                REAL *restrict Te = T + e * DKP;
+                const REAL ve = part ? V[t * DV + e] : 0, ge = gn[e]; /* (a select: a padded v may hold anything) */
+                for (int d = 0; d < DKP; d++) {
+                    Te[d] += ve * fk[d];
+                    df[d] += ge * Te[d];
+                }
+            }
+            for (int d = 0; d < DK; d++) df[d] *= phi_slope(fq[d]);
+            put_row(dq + (h * L + t) * DK, df, 1, DK, stream_dq);
+        }
+        for (int e = 0; e < DV; e++) /* T = R^T */
+            for (int d = 0; d < DKP; d++) T[e * DKP + d] = d < DK ? R[d * DV + e] : 0;
+        for (int64_t t = L - 1; t >= 0; t--) { /* backward: R_t, r_t; dk, dv */
+            const int part = !ok || ok[t];
+            features_of(Q + t * DK, 1, fq, floor_);
+            features_of(K + t * DK, part, fk, floor_);
+            const REAL inv = per[2 * t], gden = per[2 * t + 1];
+            for (int e = 0; e < DV; e++) gn[e] = G[t * DV + e] * inv, dvt[e] = 0;
+            for (int d = 0; d < DKP; d++) r[d] += gden * fq[d], df[d] = r[d];
+            for (int d = 0; d < DK; d++) { /* R += phi(q) gn^T, then R^T phi(k) */
+                REAL *restrict Rd = R + d * DV;
+                const REAL a = fq[d], b = fk[d];
+                for (int e = 0; e < DV; e++) {
+                    Rd[e] += a * gn[e];
+                    dvt[e] += b * Rd[e];
+                }
+            }
+            for (int e = 0; e < DV; e++) { /* R^T likewise, then R v */
+                REAL *restrict Te = T + e * DKP;
+                const REAL a = gn[e], ve = part ? V[t * DV + e] : 0;
+                for (int d = 0; d < DKP; d++) {
+                    Te[d] += a * fq[d];
+                    df[d] += ve * Te[d];
+                }
+            }
+            for (int d = 0; d < DK; d++) df[d] = part ? df[d] * phi_slope(fk[d]) : 0;
+            put_row(dk + (h * L + t) * DK, df, 1, DK, stream_dk);
+            put_row(dv + (h * L + t) * DV, dvt, 1, DV, stream_dv);
+        }
+        for (int d = 0; d < DK; d++) dz[h * DK + d] = r[d];
+        streams_done();
+        free(T);
+        free(per);
     }
     return status;
 }
