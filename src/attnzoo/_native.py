@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from attnzoo._pages import fresh_empty, fresh_like
+from attnzoo.mechanisms._common import needs_grad
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
 _REALS = {torch.float32: "float", torch.float64: "double"}  # the C type of each dtype built for
@@ -245,14 +246,9 @@ def _floor(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).tiny)
 
 
-def _traced(*ts) -> bool:
-    """Whether autograd will differentiate through any of the tensors among ``ts`` here."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
-
-
 def _with_autograd(function, forward, lib, q, k, v, *args):
     """``function.apply(q, k, v, *args, lib)`` where autograd needs it, else ``forward``'s output."""
-    if _traced(q, k, v):
+    if needs_grad(q, k, v):
         return function.apply(q, k, v, *args, lib)
     return forward(lib, q, k, v, *args)[0]
 
@@ -280,7 +276,7 @@ def causal_linear(q, k, v, S, z, key_mask, eps):
     lib = _kernels(q, k, v, S, z)
     if lib is None:
         return None
-    if _traced(q, k, v, S, z):
+    if needs_grad(q, k, v, S, z):
         return _CausalLinear.apply(q, k, v, S, z, key_mask, eps, lib)
     return _causal_linear_forward(lib, q, k, v, S, z, key_mask, eps)
 
