@@ -536,9 +536,10 @@ static inline REAL dot_dv(const REAL *restrict a, const REAL *restrict b) {
  * dS (n_heads, DK, DV) and dz (n_heads, DK) hold the gradients of the state after on entry and
  * those of the state before on return (R and r at t = 0). The forward pass keeps S^T (each
  * update and product along DK: no sums across lanes); the backward keeps R and R^T, updated
- * alike, so that R^T phi(k) and R v are both such products. Work: 6 DK DV multiply-adds a
- * position, with the forward's 2 the step's 8 (its floor: 6). Returns 0, or -1 without memory
- * for S^T, R^T and the positions' 1/den and gden. */
+ * alike, so that R^T phi(k) and R v are both such products. Two positions a pass through each
+ * state, as two_steps (an odd length's last: a second position with no key and no gradient,
+ * its results dropped). Work: 6 DK DV multiply-adds a position, with the forward's 2 the step's
+ * 8 (its floor: 6). Returns 0, or -1 without memory for S^T, R^T and the positions' 1/den and gden. */
 int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, const REAL *g,
                        const REAL *out, int64_t q_head, int64_t k_head, int64_t v_head, int64_t g_head,
                        const REAL *S0, const REAL *z0, REAL *dq, REAL *dk, REAL *dv, REAL *dS, REAL *dz,
@@ -557,59 +558,85 @@ int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_
         const REAL *Q = q + h * q_head, *K = k + h * k_head, *V = v + h * v_head, *G = g + h * g_head;
         const REAL *O = out + h * L * DV;
         const uint8_t *ok = key_ok ? key_ok + h * L : 0;
-        REAL *R = dS + h * DK * DV, z[DKP] = {0}, r[DKP] = {0}, fq[DKP], fk[DKP], df[DKP], gn[DV], dvt[DV];
-        for (int d = 0; d < DK; d++) z[d] = z0[h * DK + d], r[d] = dz[h * DK + d];
+        REAL *R = dS + h * DK * DV, z[2][DKP] = {{0}}, r[DKP] = {0};
+        REAL fq[2][DKP], fk[2][DKP], df[2][DKP], gn[2][DV], dvt[2][DV], gden[2];
+        for (int d = 0; d < DK; d++) z[1][d] = z0[h * DK + d], r[d] = dz[h * DK + d];
         for (int e = 0; e < DV; e++) /* T = S0^T, rows padded to whole lanes */
             for (int d = 0; d < DKP; d++) T[e * DKP + d] = d < DK ? S0[h * DK * DV + d * DV + e] : 0;
-        for (int64_t t = 0; t < L; t++) { /* forward: S_t, z_t; dq */
-            const int part = !ok || ok[t];
-            features_of(Q + t * DK, 1, fq, floor_);
-            features_of(K + t * DK, part, fk, floor_);
-            for (int d = 0; d < DKP; d++) z[d] += fk[d];
-            const REAL inv = 1 / dot_lanes(fq, z, eps);
-            for (int e = 0; e < DV; e++) gn[e] = G[t * DV + e] * inv;
-            const REAL gden = -dot_dv(gn, O + t * DV);
-            per[2 * t] = inv, per[2 * t + 1] = gden;
-            for (int d = 0; d < DKP; d++) df[d] = gden * z[d];
-            for (int e = 0; e < DV; e++) { /* S^T += v phi(k)^T, then S gn */
+        for (int64_t t = 0; t < L; t += 2) { /* forward: S_t, z_t; dq. Positions t and t + 1 */
+            const int64_t at[2] = {t, t + 1 < L ? t + 1 : t};
+            int part[2];
+            for (int i = 0; i < 2; i++) {
+                const int real = i == 0 || t + 1 < L;
+                part[i] = real && (!ok || ok[at[i]]);
+                features_of(Q + at[i] * DK, 1, fq[i], floor_);
+                features_of(K + at[i] * DK, part[i], fk[i], floor_);
+                for (int d = 0; d < DKP; d++) z[i][d] = z[1 - i][d] + fk[i][d]; /* (z[1]: the carry) */
+                const REAL inv = real ? 1 / dot_lanes(fq[i], z[i], eps) : 0;
+                for (int e = 0; e < DV; e++) gn[i][e] = real ? G[at[i] * DV + e] * inv : 0;
+                gden[i] = -dot_dv(gn[i], O + at[i] * DV);
+                if (real) per[2 * at[i]] = inv, per[2 * at[i] + 1] = gden[i];
+                for (int d = 0; d < DKP; d++) df[i][d] = gden[i] * z[i][d];
+            }
+            for (int e = 0; e < DV; e++) { /* S^T += v phi(k)^T, then S gn: t, then t + 1 */
                 REAL *restrict Te = T + e * DKP;
-                const REAL ve = part ? V[t * DV + e] : 0, ge = gn[e]; /* (a select: a padded v may hold anything) */
+                const REAL g0 = gn[0][e], v0 = part[0] ? V[at[0] * DV + e] : 0; /* (selects: a padded v */
+                const REAL g1 = gn[1][e], v1 = part[1] ? V[at[1] * DV + e] : 0; /* may hold anything) */
                 for (int d = 0; d < DKP; d++) {
-                    Te[d] += ve * fk[d];
-                    df[d] += ge * Te[d];
+                    REAL s = Te[d] + v0 * fk[0][d];
+                    df[0][d] += g0 * s;
+                    s += v1 * fk[1][d];
+                    df[1][d] += g1 * s;
+                    Te[d] = s;
                 }
             }
-            for (int d = 0; d < DK; d++) df[d] *= phi_slope(fq[d]);
-            put_row(dq + (h * L + t) * DK, df, 1, DK, stream_dq);
+            for (int i = 0; i < 1 + (t + 1 < L); i++) {
+                for (int d = 0; d < DK; d++) df[i][d] *= phi_slope(fq[i][d]);
+                put_row(dq + (h * L + at[i]) * DK, df[i], 1, DK, stream_dq);
+            }
         }
         for (int e = 0; e < DV; e++) /* T = R^T */
             for (int d = 0; d < DKP; d++) T[e * DKP + d] = d < DK ? R[d * DV + e] : 0;
-        for (int64_t t = L - 1; t >= 0; t--) { /* backward: R_t, r_t; dk, dv */
-            const int part = !ok || ok[t];
-            features_of(Q + t * DK, 1, fq, floor_);
-            features_of(K + t * DK, part, fk, floor_);
-            const REAL inv = per[2 * t], gden = per[2 * t + 1];
-            for (int e = 0; e < DV; e++) gn[e] = G[t * DV + e] * inv, dvt[e] = 0;
-            for (int d = 0; d < DKP; d++) r[d] += gden * fq[d], df[d] = r[d];
-            for (int d = 0; d < DK; d++) { /* R += phi(q) gn^T, then R^T phi(k) */
+        for (int64_t t = L - 1; t >= 0; t -= 2) { /* backward: R_t, r_t; dk, dv. Positions t and t - 1 */
+            const int64_t at[2] = {t, t >= 1 ? t - 1 : t};
+            int part[2];
+            for (int i = 0; i < 2; i++) {
+                const int real = i == 0 || t >= 1;
+                part[i] = real && (!ok || ok[at[i]]);
+                features_of(Q + at[i] * DK, 1, fq[i], floor_);
+                features_of(K + at[i] * DK, part[i], fk[i], floor_);
+                const REAL inv = real ? per[2 * at[i]] : 0, gd = real ? per[2 * at[i] + 1] : 0;
+                for (int e = 0; e < DV; e++) gn[i][e] = real ? G[at[i] * DV + e] * inv : 0, dvt[i][e] = 0;
+                for (int d = 0; d < DKP; d++) r[d] += gd * fq[i][d], df[i][d] = r[d];
+            }
+            for (int d = 0; d < DK; d++) { /* R += phi(q) gn^T, then R^T phi(k): t, then t - 1 */
                 REAL *restrict Rd = R + d * DV;
-                const REAL a = fq[d], b = fk[d];
+                const REAL a0 = fq[0][d], b0 = fk[0][d], a1 = fq[1][d], b1 = fk[1][d];
                 for (int e = 0; e < DV; e++) {
-                    Rd[e] += a * gn[e];
-                    dvt[e] += b * Rd[e];
+                    REAL s = Rd[e] + a0 * gn[0][e];
+                    dvt[0][e] += b0 * s;
+                    s += a1 * gn[1][e];
+                    dvt[1][e] += b1 * s;
+                    Rd[e] = s;
                 }
             }
             for (int e = 0; e < DV; e++) { /* R^T likewise, then R v */
                 REAL *restrict Te = T + e * DKP;
-                const REAL a = gn[e], ve = part ? V[t * DV + e] : 0;
+                const REAL g0 = gn[0][e], v0 = part[0] ? V[at[0] * DV + e] : 0;
+                const REAL g1 = gn[1][e], v1 = part[1] ? V[at[1] * DV + e] : 0;
                 for (int d = 0; d < DKP; d++) {
-                    Te[d] += a * fq[d];
-                    df[d] += ve * Te[d];
+                    REAL s = Te[d] + g0 * fq[0][d];
+                    df[0][d] += v0 * s;
+                    s += g1 * fq[1][d];
+                    df[1][d] += v1 * s;
+                    Te[d] = s;
                 }
             }
-            for (int d = 0; d < DK; d++) df[d] = part ? df[d] * phi_slope(fk[d]) : 0;
-            put_row(dk + (h * L + t) * DK, df, 1, DK, stream_dk);
-            put_row(dv + (h * L + t) * DV, dvt, 1, DV, stream_dv);
+            for (int i = 0; i < 1 + (t >= 1); i++) {
+                for (int d = 0; d < DK; d++) df[i][d] = part[i] ? df[i][d] * phi_slope(fk[i][d]) : 0;
+                put_row(dk + (h * L + at[i]) * DK, df[i], 1, DK, stream_dk);
+                put_row(dv + (h * L + at[i]) * DV, dvt[i], 1, DV, stream_dv);
+            }
         }
         for (int d = 0; d < DK; d++) dz[h * DK + d] = r[d];
         streams_done();
