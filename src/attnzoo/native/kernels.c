@@ -202,6 +202,19 @@ static inline REAL dot_lanes(const REAL *restrict a, const REAL *restrict b, REA
     return init + lanes_sum(&l);
 }
 
+/* Two positions' rank-one updates of a state's row m (n values), each followed by its product:
+ * m += a0 x0, then y0 += b0 m; m += a1 x1, then y1 += b1 m. One pass through m. */
+static AI void two_updates(REAL *restrict m, int n, REAL a0, const REAL *restrict x0, REAL b0,
+                           REAL *restrict y0, REAL a1, const REAL *restrict x1, REAL b1, REAL *restrict y1) {
+    for (int i = 0; i < n; i++) {
+        REAL s = m[i] + a0 * x0[i];
+        y0[i] += b0 * s;
+        s += a1 * x1[i];
+        y1[i] += b1 * s;
+        m[i] = s;
+    }
+}
+
 /* Steps a and b (b right after a) from the state (S, z) in place: their outputs into oa, ob.
  * ka_ok, kb_ok: whether each key takes part (0: padded, or b is no step at all). */
 static AI void two_steps(
@@ -233,17 +246,8 @@ static AI void two_steps(
     memcpy(&sb, lb, sizeof sb);
     const REAL dena = eps + lanes_sum(&sa), denb = eps + lanes_sum(&sb);
     for (int e = 0; e < DV; e++) na[e] = nb[e] = 0;
-    for (int d = 0; d < DK; d++) { /* one pass through S for both steps */
-        REAL *restrict Sd = S + d * DV;
-        const REAL kad = fka[d], qad = fqa[d], kbd = fkb[d], qbd = fqb[d];
-        for (int e = 0; e < DV; e++) {
-            REAL s = Sd[e] + kad * va[e];
-            na[e] += qad * s;
-            s += kbd * vb[e];
-            nb[e] += qbd * s;
-            Sd[e] = s;
-        }
-    }
+    for (int d = 0; d < DK; d++) /* one pass through S for both steps */
+        two_updates(S + d * DV, DV, fka[d], va, fqa[d], na, fkb[d], vb, fqb[d], nb);
     const REAL ia = 1 / dena, ib = 1 / denb; /* (a vector division is ~16 multiplications) */
     for (int e = 0; e < DV; e++) {
         oa[e] = na[e] * ia;
@@ -579,16 +583,9 @@ int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_
                 for (int d = 0; d < DKP; d++) df[i][d] = gden[i] * z[i][d];
             }
             for (int e = 0; e < DV; e++) { /* S^T += v phi(k)^T, then S gn: t, then t + 1 */
-                REAL *restrict Te = T + e * DKP;
-                const REAL g0 = gn[0][e], v0 = part[0] ? V[at[0] * DV + e] : 0; /* (selects: a padded v */
-                const REAL g1 = gn[1][e], v1 = part[1] ? V[at[1] * DV + e] : 0; /* may hold anything) */
-                for (int d = 0; d < DKP; d++) {
-                    REAL s = Te[d] + v0 * fk[0][d];
-                    df[0][d] += g0 * s;
-                    s += v1 * fk[1][d];
-                    df[1][d] += g1 * s;
-                    Te[d] = s;
-                }
+                const REAL v0 = part[0] ? V[at[0] * DV + e] : 0; /* (selects: a padded v may hold anything) */
+                const REAL v1 = part[1] ? V[at[1] * DV + e] : 0;
+                two_updates(T + e * DKP, DKP, v0, fk[0], gn[0][e], df[0], v1, fk[1], gn[1][e], df[1]);
             }
             for (int i = 0; i < 1 + (t + 1 < L); i++) {
                 for (int d = 0; d < DK; d++) df[i][d] *= phi_slope(fq[i][d]);
@@ -609,28 +606,11 @@ int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_
                 for (int e = 0; e < DV; e++) gn[i][e] = real ? G[at[i] * DV + e] * inv : 0, dvt[i][e] = 0;
                 for (int d = 0; d < DKP; d++) r[d] += gd * fq[i][d], df[i][d] = r[d];
             }
-            for (int d = 0; d < DK; d++) { /* R += phi(q) gn^T, then R^T phi(k): t, then t - 1 */
-                REAL *restrict Rd = R + d * DV;
-                const REAL a0 = fq[0][d], b0 = fk[0][d], a1 = fq[1][d], b1 = fk[1][d];
-                for (int e = 0; e < DV; e++) {
-                    REAL s = Rd[e] + a0 * gn[0][e];
-                    dvt[0][e] += b0 * s;
-                    s += a1 * gn[1][e];
-                    dvt[1][e] += b1 * s;
-                    Rd[e] = s;
-                }
-            }
+            for (int d = 0; d < DK; d++) /* R += phi(q) gn^T, then R^T phi(k): t, then t - 1 */
+                two_updates(R + d * DV, DV, fq[0][d], gn[0], fk[0][d], dvt[0], fq[1][d], gn[1], fk[1][d], dvt[1]);
             for (int e = 0; e < DV; e++) { /* R^T likewise, then R v */
-                REAL *restrict Te = T + e * DKP;
-                const REAL g0 = gn[0][e], v0 = part[0] ? V[at[0] * DV + e] : 0;
-                const REAL g1 = gn[1][e], v1 = part[1] ? V[at[1] * DV + e] : 0;
-                for (int d = 0; d < DKP; d++) {
-                    REAL s = Te[d] + g0 * fq[0][d];
-                    df[0][d] += v0 * s;
-                    s += g1 * fq[1][d];
-                    df[1][d] += v1 * s;
-                    Te[d] = s;
-                }
+                const REAL v0 = part[0] ? V[at[0] * DV + e] : 0, v1 = part[1] ? V[at[1] * DV + e] : 0;
+                two_updates(T + e * DKP, DKP, gn[0][e], fq[0], v0, df[0], gn[1][e], fq[1], v1, df[1]);
             }
             for (int i = 0; i < 1 + (t >= 1); i++) {
                 for (int d = 0; d < DK; d++) df[i][d] = part[i] ? df[i][d] * phi_slope(fk[i][d]) : 0;
