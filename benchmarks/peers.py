@@ -837,10 +837,15 @@ def _sdpa_pairs() -> list[tuple[str, Pair]]:
     return [(n, p) for n, p in PAIRS.items() if p.mechanism != "full" and p.scope == "core"]
 
 
+def _sdpa_of(pair: Pair) -> str:
+    """The full-attention pair of ``pair``'s causality: SDPA's, which the targets compare with."""
+    return "full_causal" if pair.causal else "full"
+
+
 def _against_sdpa(cells: dict, name: str, pair: Pair, L: int) -> tuple[dict, dict] | None:
     """Our side of a core pair at L and SDPA's of the same causality (the full pair's peer, else
     its ours: the same call); None where either was not measured."""
-    c, ref = cells.get(f"{name}/{L}"), cells.get(f"{'full_causal' if pair.causal else 'full'}/{L}")
+    c, ref = cells.get(f"{name}/{L}"), cells.get(f"{_sdpa_of(pair)}/{L}")
     return (c["ours"], ref.get("peer", ref["ours"])) if c and ref else None
 
 
@@ -878,7 +883,7 @@ def _floor_clause(doc: dict, name: str, L: int, key: str, goal_s: float) -> str:
     sides = _against_sdpa(doc["cells"], name, PAIRS[name], L)
     if need is None or not sides or not sides[1].get(key):
         return ""
-    sdpa = _over_floor(doc, "full_causal" if PAIRS[name].causal else "full", L, key, sides[1][key])
+    sdpa = _over_floor(doc, _sdpa_of(PAIRS[name]), L, key, sides[1][key])
     return (f" That is {need:.2f}× its FLOP floor (the forward's{' × 3' if key == 'fwdbwd_s' else ''}), "
             f"where SDPA's own took {sdpa:.2f}× its floor in this run.")
 
