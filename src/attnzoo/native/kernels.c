@@ -191,15 +191,22 @@ static inline REAL lanes_max(const lanes_v *v) {
     return e[1] > e[0] ? e[1] : e[0];
 }
 
-/* init + a . b over DKP values (zero past DK), summed lane by lane (so that it vectorises). */
-static inline REAL dot_lanes(const REAL *restrict a, const REAL *restrict b, REAL init) {
+/* init + a . b over n values, summed lane by lane where whole lanes go (so that it vectorises). */
+static AI REAL dot_n(const REAL *restrict a, const REAL *restrict b, int n, REAL init) {
     lanes_v l = {0}, x, y;
-    for (int d0 = 0; d0 < DKP; d0 += LANES) {
-        memcpy(&x, a + d0, sizeof x);
-        memcpy(&y, b + d0, sizeof y);
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
         l += x * y;
     }
+    for (; i < n; i++) init += a[i] * b[i];
     return init + lanes_sum(&l);
+}
+
+/* init + a . b over DKP values (zero past DK). */
+static inline REAL dot_lanes(const REAL *restrict a, const REAL *restrict b, REAL init) {
+    return dot_n(a, b, DKP, init);
 }
 
 /* Two positions' rank-one updates of a state's row m (n values), each followed by its product:
@@ -517,20 +524,6 @@ static AI void features_of(const REAL *restrict x, int ok, REAL *restrict f, REA
     if (!ok) memset(f, 0, sizeof(REAL) * DK);
 }
 
-/* a . b over DV values, summed lane by lane where whole lanes go (so that it vectorises). */
-static inline REAL dot_dv(const REAL *restrict a, const REAL *restrict b) {
-    lanes_v l = {0}, x, y;
-    int e = 0;
-    for (; e + LANES <= DV; e += LANES) {
-        memcpy(&x, a + e, sizeof x);
-        memcpy(&y, b + e, sizeof y);
-        l += x * y;
-    }
-    REAL tail = 0;
-    for (; e < DV; e++) tail += a[e] * b[e];
-    return tail + lanes_sum(&l);
-}
-
 /* Causal backward of causal_linear from the output's gradient g (rows of DV, heads g_head apart),
  * the output out (n_heads, L, DV) and the state before, S0 (n_heads, DK, DV) and z0 (n_heads, DK).
  * With f = phi(q_t), den_t = f . z_t + eps, gn_t = g_t / den_t and gden_t = -(gn_t . out_t):
@@ -578,7 +571,7 @@ int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_
                 for (int d = 0; d < DKP; d++) z[i][d] = z[1 - i][d] + fk[i][d]; /* (z[1]: the carry) */
                 const REAL inv = real ? 1 / dot_lanes(fq[i], z[i], eps) : 0;
                 for (int e = 0; e < DV; e++) gn[i][e] = real ? G[at[i] * DV + e] * inv : 0;
-                gden[i] = -dot_dv(gn[i], O + at[i] * DV);
+                gden[i] = -dot_n(gn[i], O + at[i] * DV, DV, 0);
                 if (real) per[2 * at[i]] = inv, per[2 * at[i] + 1] = gden[i];
                 for (int d = 0; d < DKP; d++) df[i][d] = gden[i] * z[i][d];
             }
