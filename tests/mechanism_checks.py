@@ -8,15 +8,22 @@ Each mechanism's test file calls these with one line per case, e.g.::
 
 Randomized mechanisms get a fresh generator with the same seed for the fast
 call and the reference, so both draw the same samples.
+
+The checks run on the CPU; ``ATTNZOO_TEST_DEVICE=cuda`` runs them on a GPU instead (the
+inputs are drawn on the CPU, the same numbers on any device, and moved there).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from hypothesis import strategies as st
 
 import attnzoo
+
+DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
 
 
 def cases(*, causal=True, cross=True, H=(1, 3), L=(1, 40), D=(1, 6), Dv=False, **options):
@@ -37,9 +44,15 @@ def cases(*, causal=True, cross=True, H=(1, 3), L=(1, 40), D=(1, 6), Dv=False, *
     return strategy if cross else strategy.map(lambda case: {**case, "Lk": case["Lq"]})
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A generator on the checks' device, for a randomized mechanism's draws."""
+    return torch.Generator(DEVICE).manual_seed(seed)
+
+
 def random_inputs(B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, *, dtype=torch.float64, seed=0,
-                  masked=False, requires_grad=False, empty_row=True):
-    """Gaussian q, k, v and, if ``masked``, a random key_mask (B, Lk).
+                  masked=False, requires_grad=False, empty_row=True, device=None):
+    """Gaussian q, k, v and, if ``masked``, a random key_mask (B, Lk), on ``device`` (default:
+    the checks' device).
 
     With ``empty_row`` (and B >= 2) the last batch entry's mask keeps only the
     last key, so under causality most of its queries see nothing.
@@ -56,24 +69,25 @@ def random_inputs(B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, *, dtype=torch.float64, se
         if empty_row and B >= 2:
             key_mask[-1] = False
             key_mask[-1, -1] = True
-    for t in (q, k, v):
-        t.requires_grad_(requires_grad)
+        key_mask = key_mask.to(device or DEVICE)
+    q, k, v = (t.to(device or DEVICE).requires_grad_(requires_grad) for t in (q, k, v))
     return q, k, v, key_mask
 
 
 def _call(name, q, k, v, *, reference, causal, key_mask, seed, options):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(q.device).manual_seed(seed)
     return attnzoo.attention(q, k, v, mechanism=name, causal=causal, key_mask=key_mask,
                              generator=gen, reference=reference, **options)
 
 
 def check_against_reference(name, *, B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, causal=False,
                             masked=False, seed=0, options=None, atol=1e-10, rtol=1e-8,
-                            backward=True):
-    """Fast vs reference in float64: outputs, and grads of q, k, v for one upstream grad."""
+                            backward=True, device=None):
+    """Fast vs reference in float64: outputs, and grads of q, k, v for one upstream grad.
+    (``device="cpu"``: a check of a path that only the CPU takes.)"""
     options = options or {}
     q, k, v, km = random_inputs(B, H, Lq, Lk, D, Dv, seed=seed, masked=masked,
-                                requires_grad=backward)
+                                requires_grad=backward, device=device)
     kw = dict(causal=causal, key_mask=km, seed=seed, options=options)
     fast = _call(name, q, k, v, reference=False, **kw)
     ref = _call(name, q, k, v, reference=True, **kw)
@@ -84,7 +98,7 @@ def check_against_reference(name, *, B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, causal=
     if not backward:
         return fast
     g = torch.randn(fast.shape, generator=torch.Generator().manual_seed(seed + 1),
-                    dtype=fast.dtype)
+                    dtype=fast.dtype).to(fast.device)
     grads_fast = torch.autograd.grad(fast, (q, k, v), g, allow_unused=True)
     grads_ref = torch.autograd.grad(ref, (q, k, v), g, allow_unused=True)
     for label, gf, gr in zip("qkv", grads_fast, grads_ref, strict=True):
@@ -106,11 +120,11 @@ def check_equals_full(name, *, L, causal, options=None, **tolerances):
 
 
 def check_gradcheck(name, *, B=1, H=2, Lq=5, Lk=6, D=4, causal=False, masked=False, seed=0,
-                    options=None):
+                    options=None, device=None):
     """torch.autograd.gradcheck of the fast path on small float64 inputs."""
     options = options or {}
     q, k, v, km = random_inputs(B, H, Lq, Lk, D, seed=seed, masked=masked, requires_grad=True,
-                                empty_row=False)
+                                empty_row=False, device=device)
 
     def fn(q, k, v):
         return _call(name, q, k, v, reference=False, causal=causal, key_mask=km, seed=seed,

@@ -24,9 +24,9 @@ def test_efficient_is_the_seed_formula():
 
 def test_padding_takes_no_part():
     q, k, v, _ = random_inputs(B=1, H=2, Lq=6, Lk=6)
-    km = torch.tensor([[True] * 6 + [False] * 3])
-    k_pad = torch.cat([k, 50 * torch.randn(1, 2, 3, k.shape[-1], dtype=k.dtype)], 2)
-    v_pad = torch.cat([v, 50 * torch.randn(1, 2, 3, v.shape[-1], dtype=v.dtype)], 2)
+    km = torch.tensor([[True] * 6 + [False] * 3], device=k.device)
+    k_pad = torch.cat([k, 50 * torch.randn(1, 2, 3, k.shape[-1], dtype=k.dtype, device=k.device)], 2)
+    v_pad = torch.cat([v, 50 * torch.randn(1, 2, 3, v.shape[-1], dtype=v.dtype, device=v.device)], 2)
     torch.testing.assert_close(attnzoo.attention(q, k_pad, v_pad, mechanism="efficient", key_mask=km),
                                attnzoo.attention(q, k, v, mechanism="efficient"))
 

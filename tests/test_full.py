@@ -32,7 +32,7 @@ def test_full_matches_sdpa_with_explicit_lower_right_mask(case):
                                 case["Dv"], seed=case["seed"], masked=case["masked"])
     out = attnzoo.attention(q, k, v, causal=case["causal"], key_mask=km)
     Lq, Lk = q.shape[2], k.shape[2]
-    mask = torch.ones(Lq, Lk, dtype=torch.bool)
+    mask = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
     if case["causal"]:
         mask = mask.tril(Lk - Lq)
     mask = mask[None, None] if km is None else mask & km[:, None, None, :]
@@ -53,7 +53,7 @@ def test_causal_lower_right_alignment_by_hand():
 
 def test_rows_that_see_no_key_are_zero_not_nan():
     q, k, v, _ = random_inputs(B=2, Lq=6, Lk=3, requires_grad=True)
-    km = torch.tensor([[False, False, False], [True, True, True]])
+    km = torch.tensor([[False, False, False], [True, True, True]], device=q.device)
     out = attnzoo.attention(q, k, v, causal=True, key_mask=km)
     assert torch.isfinite(out).all()
     assert (out[0] == 0).all()  # batch 0 has no real key

@@ -154,7 +154,7 @@ def test_features_that_require_grad_get_it(causal):
     """Random features passed as a trainable tensor: the streamed backward steps aside for
     autograd, so they get their gradient, the reference's (causal: over several chunks)."""
     q, k, v, km = random_inputs(B=2, H=2, Lq=5, Lk=6, D=4, masked=True, requires_grad=True)
-    W = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(8, 4, dtype=torch.float64, device=q.device, requires_grad=True)
     grads = [torch.autograd.grad(attnzoo.attention(q, k, v, mechanism="performer", features=W, chunk=2,
                                                    causal=causal, key_mask=km, reference=ref).sum(), W)[0]
              for ref in (False, True)]

@@ -18,7 +18,7 @@ def test_linformer_matches_reference(case):
 
 def test_identity_projection_equals_full():
     q, k, v, km = random_inputs(Lq=9, Lk=11, masked=True, empty_row=False)
-    eye = torch.eye(11, dtype=q.dtype)
+    eye = torch.eye(11, dtype=q.dtype, device=q.device)
     out = attnzoo.attention(q, k, v, mechanism="linformer", key_mask=km, proj_k=eye, proj_v=eye)
     # zeroed padded keys still take part (score 0): compare with full attention on the same
     keep = km[:, None, :, None].to(q.dtype)
@@ -29,12 +29,15 @@ def test_identity_projection_equals_full():
 
 def test_given_projections_are_sliced_to_the_length():
     q, k, v, _ = random_inputs(Lq=7, Lk=7)
-    E = torch.randn(4, 20, dtype=q.dtype)
+    E = torch.randn(4, 20, dtype=q.dtype, device=q.device)
     a = attnzoo.attention(q, k, v, mechanism="linformer", proj_k=E, share_kv=True)
     b = attnzoo.attention(q, k, v, mechanism="linformer", proj_k=E[:, :7], proj_v=E[:, :7])
     torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="needs >= Lk"):
         attnzoo.attention(q, k, v, mechanism="linformer", proj_k=E[:, :5], share_kv=True)
+    on_meta = torch.randn(1, 2, 7, 4, device="meta")  # stands in for a GPU: never moved, refused
+    with pytest.raises(ValueError, match="proj_k is on cpu but the inputs are on meta"):
+        attnzoo.attention(on_meta, on_meta, on_meta, mechanism="linformer", proj_k=E.cpu(), share_kv=True)
 
 
 def test_layer_owns_e_and_f_for_max_len():

@@ -43,13 +43,14 @@ def test_fused_band_equals_the_groups(monkeypatch, scores_per_chunk):
                                           (29, 29, 1, 5, False), (64, 64, 16, 16, True)]:
         calls.clear()
         check_against_reference("local", Lq=Lq, Lk=Lk, causal=causal,
-                                options={"window": window, "block": block})
+                                options={"window": window, "block": block}, device="cpu")
         assert calls == ["fused_forward", "fused_backward"], calls
-    check_gradcheck("local", Lq=6, Lk=6, causal=True, options={"window": 3, "block": 2})
+    check_gradcheck("local", Lq=6, Lk=6, causal=True, options={"window": 3, "block": 2}, device="cpu")
     for name in ("strided", "fixed"):
         for causal in (False, True):
             calls.clear()
-            check_against_reference(name, Lq=33, Lk=33, causal=causal, options={"stride": 4})
+            check_against_reference(name, Lq=33, Lk=33, causal=causal, options={"stride": 4},
+                                    device="cpu")
             assert "fused_forward" in calls and "fused_backward" not in calls
 
 

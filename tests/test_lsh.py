@@ -1,3 +1,5 @@
+import io
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -5,7 +7,15 @@ from hypothesis import strategies as st
 
 import attnzoo
 
-from mechanism_checks import cases, check_against_reference, check_equals_full, check_gradcheck, random_inputs
+from mechanism_checks import (
+    DEVICE,
+    cases,
+    check_against_reference,
+    check_equals_full,
+    check_gradcheck,
+    random_inputs,
+    seeded,
+)
 
 lsh_cases = cases(cross=False, D=(2, 6), bucket_size=st.integers(1, 9), n_hashes=st.integers(1, 4),
                   n_buckets=st.none() | st.sampled_from([1, 2, 4, 6]),
@@ -29,7 +39,7 @@ def _shared(case_seed, causal, masked, **options):
     q, _, v, km = random_inputs(B=2, H=2, Lq=23, Lk=23, D=5, seed=case_seed, masked=masked)
     run = lambda ref: attnzoo.attention(q, q, v, mechanism="lsh", causal=causal, key_mask=km,  # noqa: E731
                                         shared_qk=True, reference=ref,
-                                        generator=torch.Generator().manual_seed(case_seed), **options)
+                                        generator=seeded(case_seed), **options)
     return run(False), run(True), q, v, km
 
 
@@ -49,7 +59,7 @@ def test_shared_qk_one_chunk_is_full_attention_without_self():
     fast, _, q, v, _ = _shared(0, True, False, n_buckets=1, bucket_size=23, n_hashes=1)
     k = torch.nn.functional.normalize(q, dim=-1)
     L = q.shape[2]
-    mask = torch.ones(L, L, dtype=torch.bool).tril(-1)
+    mask = torch.ones(L, L, dtype=torch.bool, device=DEVICE).tril(-1)
     mask[0, 0] = True  # position 0 has no other key, so it attends to itself
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(fast, expected, atol=1e-10, rtol=1e-8)
@@ -58,7 +68,7 @@ def test_shared_qk_one_chunk_is_full_attention_without_self():
 def test_more_rounds_meet_more_keys():
     q, k, _, _ = random_inputs(B=1, H=1, Lq=256, Lk=256, D=16)
     seen = [attnzoo.connectivity("lsh", q=q, k=k, causal=False, n_hashes=n, bucket_size=16,
-                                 generator=torch.Generator().manual_seed(0)).sum().item()
+                                 generator=seeded(0)).sum().item()
             for n in (1, 2, 4)]
     assert seen[0] < seen[1] < seen[2] < 256 * 256 / 2
 
@@ -85,12 +95,12 @@ def test_shared_qk_groups_and_gradients_match_reference(monkeypatch, causal):
 
     monkeypatch.setattr(lsh, "GROUP_SCORES", 3 * 2 * 4 * 4)
     q, _, v, km = random_inputs(B=2, H=2, Lq=37, Lk=37, D=5, seed=4, masked=True, requires_grad=True)
-    g = torch.randn(2, 2, 37, 5, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+    g = torch.randn(2, 2, 37, 5, generator=torch.Generator().manual_seed(5), dtype=q.dtype).to(DEVICE)
     results = []
     for reference in (False, True):
         out = attnzoo.attention(q, q, v, mechanism="lsh", causal=causal, key_mask=km, shared_qk=True,
                                 bucket_size=4, n_hashes=3, reference=reference,
-                                generator=torch.Generator().manual_seed(6))
+                                generator=seeded(6))
         results.append((out, *torch.autograd.grad(out, (q, v), g)))
     for fast, ref in zip(*results, strict=True):
         torch.testing.assert_close(fast, ref, atol=1e-10, rtol=1e-8)
@@ -112,17 +122,20 @@ def test_lsh_refuses_what_it_cannot_do():
 
 
 def test_module_shares_qk_by_default_and_is_reproducible():
-    layer = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", bucket_size=4, seed=1)
+    layer = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", bucket_size=4, seed=1).to(DEVICE)
     assert layer.k_proj is None
-    x = torch.randn(2, 20, 16)
+    x = torch.randn(2, 20, 16).to(DEVICE)
     y1 = layer(x)
-    state = layer.state_dict()
+    saved = io.BytesIO()
+    torch.save(layer.state_dict(), saved)  # as a checkpoint: map_location moves the generator's
+    saved.seek(0)                          # state to the device too
+    state = torch.load(saved, map_location=DEVICE, weights_only=True)
     y2 = layer(x)  # the generator moved on: new rotations
     assert not torch.allclose(y1, y2)
-    other = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", bucket_size=4, seed=1)
+    other = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", bucket_size=4, seed=1).to(DEVICE)
     other.load_state_dict(state)
     torch.testing.assert_close(other(x), y2)
-    separate = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", shared_qk=False)
+    separate = attnzoo.MultiheadAttention(16, 2, mechanism="lsh", shared_qk=False).to(DEVICE)
     assert separate.k_proj is not None and separate(x).shape == x.shape
 
 
@@ -131,7 +144,7 @@ def test_lsh_duplicate_counting_changes_the_weights():
     q, _, v = random_inputs(1, 2, 32, 32, 8, 8, seed=3)[:3]
     run = lambda dup: attnzoo.attention(q, q, v, mechanism="lsh", shared_qk=True, bucket_size=4,  # noqa: E731
                                         n_hashes=4, count_duplicates=dup,
-                                        generator=torch.Generator().manual_seed(0))
+                                        generator=seeded(0))
     assert not torch.allclose(run(True), run(False))
 
 
@@ -160,7 +173,7 @@ def test_float32_keeps_a_query_that_sees_only_itself_exact():
     q, _, v = random_inputs(1, 2, 40, 40, 8, 8, seed=5, dtype=torch.float64)[:3]
     run = lambda dt: attnzoo.attention(q.to(dt), q.to(dt), v.to(dt), mechanism="lsh",  # noqa: E731
                                        causal=True, shared_qk=True, bucket_size=4, n_hashes=4,
-                                       generator=torch.Generator().manual_seed(0))
+                                       generator=seeded(0))
     torch.testing.assert_close(run(torch.float32).double(), run(torch.float64), atol=1e-5, rtol=1e-5)
 
 

@@ -87,5 +87,5 @@ def test_equal_segment_means_gradient():
 def test_nystrom_unmasked_gradcheck_takes_the_few_queries_backward(monkeypatch):
     calls, apply = [], FewQueries.apply
     monkeypatch.setattr(FewQueries, "apply", lambda *a: calls.append(1) or apply(*a))
-    check_gradcheck("nystrom", Lq=6, Lk=7, options={"num_landmarks": 3})
+    check_gradcheck("nystrom", Lq=6, Lk=7, options={"num_landmarks": 3}, device="cpu")
     assert calls

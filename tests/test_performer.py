@@ -1,3 +1,4 @@
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -5,7 +6,7 @@ from hypothesis import strategies as st
 import attnzoo
 from attnzoo.mechanisms.performer import draw_features
 
-from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
+from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs, seeded
 
 performer_cases = cases(Dv=True, nb_features=st.integers(1, 20), orthogonal=st.booleans(),
                         chunk=st.integers(1, 9))
@@ -30,7 +31,7 @@ def _error(m, causal, seeds=range(6)):
         q, k = q * 0.6, k * 0.6  # moderately peaked attention
         full = attnzoo.attention(q, k, v, causal=causal)
         approx = attnzoo.attention(q, k, v, mechanism="performer", causal=causal, nb_features=m,
-                                   generator=torch.Generator().manual_seed(100 + seed))
+                                   generator=seeded(100 + seed))
         errs.append(((approx - full).norm() / full.norm()).item())
     return sum(errs) / len(errs)
 
@@ -50,6 +51,12 @@ def test_module_redraws_on_request():
     layer.redraw()
     assert not torch.equal(before, layer.features)
     assert "features" in layer.state_dict()
+
+
+def test_given_features_must_be_on_the_inputs_device():
+    q = torch.randn(1, 2, 5, 4, device="meta")  # stands in for a GPU: the features are not moved
+    with pytest.raises(ValueError, match="features is on cpu but the inputs are on meta"):
+        attnzoo.attention(q, q, q, mechanism="performer", features=torch.randn(8, 4))
 
 
 def test_performer_gradcheck():

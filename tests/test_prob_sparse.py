@@ -7,7 +7,14 @@ import attnzoo
 from attnzoo.mechanisms._common import FewQueries
 from attnzoo.mechanisms.prob_sparse import prefix_sums, sample_keys, sizes, top_queries
 
-from mechanism_checks import cases, check_against_reference, check_equals_full, check_gradcheck, random_inputs
+from mechanism_checks import (
+    cases,
+    check_against_reference,
+    check_equals_full,
+    check_gradcheck,
+    random_inputs,
+    seeded,
+)
 
 prob_cases = cases(L=(1, 60), factor=st.integers(1, 3),
                    variant=st.sampled_from(["paper", "official"]), chunk=st.integers(1, 70))
@@ -44,21 +51,21 @@ def test_active_queries_that_see_no_key_get_zero(masked):
 def test_lazy_queries_get_the_mean_of_visible_values():
     q, k, v, _ = random_inputs(B=1, H=1, Lq=200, Lk=200, D=4)
     out = attnzoo.attention(q, k, v, mechanism="prob_sparse", causal=True, factor=1,
-                            generator=torch.Generator().manual_seed(0))
-    prefix_mean = v.cumsum(2) / torch.arange(1, 201, dtype=v.dtype).view(1, 1, -1, 1)
+                            generator=seeded(0))
+    prefix_mean = v.cumsum(2) / torch.arange(1, 201, dtype=v.dtype, device=v.device).view(1, 1, -1, 1)
     lazy = (out - prefix_mean).abs().amax(-1) < 1e-12
     assert lazy.sum() == 200 - sizes(200, 200, 1)[0]
     official = attnzoo.attention(q, k, v, mechanism="prob_sparse", causal=True, factor=1,
-                                 variant="official", generator=torch.Generator().manual_seed(0))
+                                 variant="official", generator=seeded(0))
     assert ((official - v.cumsum(2)).abs().amax(-1) < 1e-12).sum() >= 190  # a sum, not a mean
 
 
 def test_deterministic_with_a_fixed_generator_and_random_without():
     q, k, v, _ = random_inputs(Lq=300, Lk=300)
     run = lambda g: attnzoo.attention(q, k, v, mechanism="prob_sparse", factor=1, generator=g)  # noqa: E731
-    torch.testing.assert_close(run(torch.Generator().manual_seed(3)), run(torch.Generator().manual_seed(3)),
+    torch.testing.assert_close(run(seeded(3)), run(seeded(3)),
                                atol=0, rtol=0)
-    assert not torch.equal(run(torch.Generator().manual_seed(3)), run(torch.Generator().manual_seed(4)))
+    assert not torch.equal(run(seeded(3)), run(seeded(4)))
 
 
 def test_causal_outputs_do_not_depend_on_future_values():
@@ -66,7 +73,7 @@ def test_causal_outputs_do_not_depend_on_future_values():
     # so future *keys* may change the selection; future *values* must never reach the past.
     q, k, v, _ = random_inputs(B=1, H=2, Lq=120, Lk=120)
     run = lambda v: attnzoo.attention(q, k, v, mechanism="prob_sparse", causal=True, factor=2,  # noqa: E731
-                                      generator=torch.Generator().manual_seed(0))
+                                      generator=seeded(0))
     v2 = v.clone()
     v2[:, :, 80:] += 5 * torch.randn_like(v2[:, :, 80:])
     torch.testing.assert_close(run(v)[:, :, :80], run(v2)[:, :, :80], atol=1e-12, rtol=0)
@@ -86,14 +93,14 @@ def test_samples_come_only_from_visible_real_keys():
 
 def test_padding_keys_take_no_part():
     q, k, v, _ = random_inputs(B=1, H=2, Lq=50, Lk=50)
-    km = torch.ones(1, 60, dtype=torch.bool)
+    km = torch.ones(1, 60, dtype=torch.bool, device=k.device)
     km[:, 50:] = False
-    k_pad = torch.cat([k, 100 * torch.randn(1, 2, 10, k.shape[-1], dtype=k.dtype)], 2)
-    v_pad = torch.cat([v, 100 * torch.randn(1, 2, 10, v.shape[-1], dtype=v.dtype)], 2)
+    k_pad = torch.cat([k, 100 * torch.randn(1, 2, 10, k.shape[-1], dtype=k.dtype, device=k.device)], 2)
+    v_pad = torch.cat([v, 100 * torch.randn(1, 2, 10, v.shape[-1], dtype=v.dtype, device=v.device)], 2)
     out = attnzoo.attention(q, k_pad, v_pad, mechanism="prob_sparse", key_mask=km, factor=2,
-                            generator=torch.Generator().manual_seed(0))
+                            generator=seeded(0))
     full_idx = attnzoo.attention(q, k, v, mechanism="prob_sparse", factor=2,
-                                 generator=torch.Generator().manual_seed(0))
+                                 generator=seeded(0))
     # Same keys and values once padding is ignored; samples differ only by the padded draw range.
     assert out.abs().max() < 10
     assert torch.isfinite(full_idx).all()
@@ -105,15 +112,16 @@ def test_prob_sparse_gradcheck(monkeypatch):
     # where finite differences flip the choice. Seed 1 has no such tie.
     masks, apply = [], FewQueries.apply  # the active queries' backward by key blocks, masked and not
     monkeypatch.setattr(FewQueries, "apply", lambda *a: masks.append(a[3]) or apply(*a))  # a[3]: valid
-    check_gradcheck("prob_sparse", causal=True, masked=True, Lq=8, Lk=8, seed=1, options={"factor": 1})
-    check_gradcheck("prob_sparse", Lq=9, Lk=6, options={"factor": 1})
+    check_gradcheck("prob_sparse", causal=True, masked=True, Lq=8, Lk=8, seed=1, options={"factor": 1},
+                    device="cpu")
+    check_gradcheck("prob_sparse", Lq=9, Lk=6, options={"factor": 1}, device="cpu")
     assert any(m is not None for m in masks) and any(m is None for m in masks)
 
 
 def test_connectivity_marks_active_rows():
     q, k, _, _ = random_inputs(B=1, H=1, Lq=64, Lk=64)
     m = attnzoo.connectivity("prob_sparse", q=q, k=k, causal=True, factor=1,
-                             generator=torch.Generator().manual_seed(0))
+                             generator=seeded(0))
     assert m.shape == (1, 1, 64, 64)
     assert (m.any(-1)).sum() == sizes(64, 64, 1)[0]
     assert not m.triu(1).any()

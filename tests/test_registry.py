@@ -6,7 +6,7 @@ import torch
 import attnzoo
 from attnzoo.registry import Capabilities, Mechanism, register
 
-from mechanism_checks import check_against_reference, check_input_errors, random_inputs
+from mechanism_checks import check_against_reference, check_input_errors, random_inputs, seeded
 
 
 def test_mechanisms_lists_full_first():
@@ -67,9 +67,18 @@ def test_devices_must_agree_message():
     with pytest.raises(ValueError, match="sequence lengths"):
         attnzoo.attention(q[:, :, :0], k, v)
     with pytest.raises(ValueError, match="torch.Tensor"):
-        attnzoo.attention(q.numpy(), k, v)
+        attnzoo.attention(q.cpu().numpy(), k, v)
     with pytest.raises(ValueError, match="generator"):
         attnzoo.attention(q, k, v, generator=0)
+
+
+@pytest.mark.parametrize("name", [n for n in attnzoo.mechanisms() if attnzoo.get(n).randomized])
+def test_a_generator_on_another_device_than_q_is_refused(name):
+    # A randomized mechanism draws on q's device, which torch refuses for a generator elsewhere:
+    # ours says which device to give it. (The meta device stands in for a GPU on CPU machines.)
+    q = torch.randn(1, 2, 8, 4, device="meta")
+    with pytest.raises(ValueError, match="generator is on cpu but q on meta"):
+        attnzoo.attention(q, q, q, mechanism=name, generator=torch.Generator())
 
 
 def test_connectivity_of_full_is_dense_or_causal():
@@ -92,7 +101,7 @@ def test_low_precision_error_is_a_small_multiple_of_fulls(name, dtype):
 
     def rel_err(mech, dt):
         run = lambda q, k, v: attnzoo.attention(q, k, v, mechanism=mech, causal=causal,  # noqa: E731
-                                                generator=torch.Generator().manual_seed(1))
+                                                generator=seeded(1))
         low = [t.to(dt) for t in (q, k, v)]
         gold = run(*(t.double() for t in low))  # the same (rounded) inputs: decisions agree
         out = run(*low)

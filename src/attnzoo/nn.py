@@ -137,7 +137,7 @@ class MultiheadAttention(nn.Module):
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
             saved = self._saved_generator
             if saved is not None and saved["device"] == device.type:  # continue a loaded state
-                self._generator.set_state(saved["state"])
+                self._generator.set_state(saved["state"].cpu())  # a ByteTensor on the CPU, always
         return self._generator
 
     def redraw(self) -> None:
@@ -244,6 +244,7 @@ class MultiheadAttention(nn.Module):
     def set_extra_state(self, state: dict) -> None:
         # Applied when the generator is next made, on the device of the input then (a state
         # saved on one device type does not carry over to another: that one starts from seed).
+        # torch.load's map_location may have moved the state tensor, a CUDA one's too, to a GPU.
         self._saved_generator = state.get("generator")
         self._generator = None
 

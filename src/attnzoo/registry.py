@@ -200,7 +200,7 @@ def attention(
         key_mask: ``(B, Lk)`` bool, True = real key, False = padding.
         scale: score scale; None = the mechanism's default (1/sqrt(D) for the
             softmax mechanisms; the kernel ones follow their papers).
-        generator: source of randomness for randomized mechanisms.
+        generator: source of randomness for randomized mechanisms, on q's device.
         reference: run the plain dense reference instead of the fast version.
         **options: the mechanism's options (see ``attnzoo.get(name).options``);
             unknown names raise ValueError.
@@ -218,6 +218,9 @@ def attention(
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if spec.randomized and generator is not None and generator.device.type != q.device.type:
+        raise ValueError(f"generator is on {generator.device.type} but q on {q.device.type}: "
+                         f"{mechanism} draws on q's device, so pass torch.Generator(device=q.device)")
     _check_capabilities(spec, q, k, causal, key_mask)
     fn = spec.reference if reference else spec.fn
     return fn(q, k, v, opts, causal=causal, key_mask=key_mask, scale=scale, generator=generator)

@@ -43,6 +43,14 @@ def needs_grad(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
+def given_on_device(mechanism: str, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t``, a tensor the user gave as an option, once checked to be on the inputs' device (a
+    clear error, where moving it would hide a copy in every call)."""
+    if t.device != like.device:
+        raise ValueError(f"{mechanism}: {name} is on {t.device} but the inputs are on {like.device}")
+    return t
+
+
 def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.mechanisms._common import few_keys_attention, softmax_scale
+from attnzoo.mechanisms._common import few_keys_attention, given_on_device, softmax_scale
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, attention, register
 
@@ -40,7 +40,7 @@ def projections(opts: LinformerOptions, Lk: int, like: torch.Tensor,
         if t.shape[1] < Lk:
             raise ValueError(f"linformer: {name} has {t.shape[1]} columns but Lk = {Lk}; it needs "
                              f">= Lk (in MultiheadAttention: max_len >= the sequence length)")
-        return t[:, :Lk].to(like.dtype)
+        return given_on_device("linformer", name, t, like)[:, :Lk].to(like.dtype)
 
     def draw():
         E = torch.randn(opts.proj_len, Lk, generator=generator, device=like.device)

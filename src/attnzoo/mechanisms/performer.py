@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo._pages import scratch_buffer
-from attnzoo.mechanisms._common import LOG2E, exp_, finite_or_zero, softmax_scale
+from attnzoo.mechanisms._common import LOG2E, exp_, finite_or_zero, given_on_device, softmax_scale
 from attnzoo.mechanisms.linear import (
     kernel_attention,
     kernel_flops,
@@ -183,11 +183,11 @@ def _base2_features(xs, Wt, stabilise, key_mask, scratch=None):
 def _features(q, opts, generator):
     W = opts.features
     if W is None:
-        W = draw_features(opts.nb_features, q.shape[-1], orthogonal=opts.orthogonal,
-                          generator=generator, device=q.device)
-    elif W.shape[1] != q.shape[-1]:
+        return draw_features(opts.nb_features, q.shape[-1], orthogonal=opts.orthogonal,
+                             generator=generator, device=q.device)
+    if W.shape[1] != q.shape[-1]:
         raise ValueError(f"performer: features have {W.shape[1]} columns but D = {q.shape[-1]}")
-    return W
+    return given_on_device("performer", "features", W, q)
 
 
 def _features_and_maps(q, k, opts, causal, key_mask, scale, generator):
