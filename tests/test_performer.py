@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import attnzoo
 from attnzoo.mechanisms.performer import draw_features
 
-from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs, seeded
+from mechanism_checks import DEVICE, cases, check_against_reference, check_gradcheck, random_inputs, seeded
 
 performer_cases = cases(Dv=True, nb_features=st.integers(1, 20), orthogonal=st.booleans(),
                         chunk=st.integers(1, 9))
@@ -31,7 +31,7 @@ def test_orthogonal_features_are_standard_normal_at_every_place_in_a_block():
     blocks, the mean of every entry (place in the block, coordinate) is 0 within 5 standard
     errors (1/√4000 each) and the mean square 1. Q of a QR taken as it comes fails: its i-th
     row's i-th entry was always negative (mean -0.8)."""
-    W = draw_features(16 * 4000, 16, orthogonal=True, generator=seeded(0)).view(4000, 16, 16)
+    W = draw_features(16 * 4000, 16, orthogonal=True, generator=seeded(0), device=DEVICE).view(4000, 16, 16)
     assert W.mean(0).abs().max() < 5 / 4000**0.5
     torch.testing.assert_close(W.square().mean(0), torch.ones(16, 16, device=W.device), atol=0.15, rtol=0)
 
