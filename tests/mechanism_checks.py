@@ -58,7 +58,7 @@ def random_inputs(B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, *, dtype=torch.float64, se
     last key, so under causality most of its queries see nothing.
     """
     g = torch.Generator().manual_seed(seed)
-    Dv = D if Dv is None else Dv
+    Dv, device = D if Dv is None else Dv, device or DEVICE
     q = torch.randn(B, H, Lq, D, generator=g, dtype=dtype)
     k = torch.randn(B, H, Lk, D, generator=g, dtype=dtype)
     v = torch.randn(B, H, Lk, Dv, generator=g, dtype=dtype)
@@ -69,8 +69,8 @@ def random_inputs(B=2, H=3, Lq=7, Lk=9, D=8, Dv=None, *, dtype=torch.float64, se
         if empty_row and B >= 2:
             key_mask[-1] = False
             key_mask[-1, -1] = True
-        key_mask = key_mask.to(device or DEVICE)
-    q, k, v = (t.to(device or DEVICE).requires_grad_(requires_grad) for t in (q, k, v))
+        key_mask = key_mask.to(device)
+    q, k, v = (t.to(device).requires_grad_(requires_grad) for t in (q, k, v))
     return q, k, v, key_mask
 
 
