@@ -114,6 +114,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_table(result: dict) -> Table:
+    from attnzoo.bench.report import exponents
+
     lengths = result["config"]["lengths"]
     cells = {(c["mechanism"], c["L"]): c for c in result["cells"]}
     m = result["machine"]
@@ -141,11 +143,11 @@ def _bench_table(result: dict) -> Table:
         peak = last.get("peak_bytes")
         row += [f(None if peak is None else peak / 2**20, ".0f"), f(last.get("gflops_per_s"), ".1f"),
                 f(err.get("error_gaussian"), ".1e"), f(err.get("error_peaked"), ".1e"),
-                f(d["time_exponent"], ".2f"), f(d["memory_exponent"], ".2f"),
+                exponents(d, "time"), exponents(d, "memory"),
                 str(d["crossover_L"] or "—")]
         table.add_row(*row)
     table.caption = ("peak MiB and GFLOP/s at the longest length run; errors at the longest length "
-                     "with an error; exponents fitted over the lengths run")
+                     "with an error; exponents fitted over the lengths run / over the last step")
     return table
 
 

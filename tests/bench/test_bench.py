@@ -12,7 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import attnzoo
 from attnzoo.bench import BenchConfig, Shape, run_sweep, sweep, write
 from attnzoo.bench.measure import make_inputs, memory_env
-from attnzoo.bench.sweep import loglog_slope
+from attnzoo.bench.report import exponents
+from attnzoo.bench.sweep import derived, loglog_slope
 from attnzoo.cli import main
 from attnzoo.mechanisms.prob_sparse import sizes
 
@@ -84,6 +85,29 @@ def test_bad_config_is_refused():
 def test_loglog_slope():
     assert loglog_slope([1, 2, 4], [3, 12, 48]) == pytest.approx(2.0)
     assert loglog_slope([8], [1.0]) is None
+
+
+def test_derived_exponents_fit_and_last_step_and_crossover():
+    """Memory flat, then quadrupling at the last doubling: the fit over every length reads
+    under 1, the last step 2. Time quadratic for full, linear for the other, which beats
+    full from the first length where its median is lower (not where it is equal)."""
+    def cell(name, L, time_s, peak):
+        return {"mechanism": name, "L": L, "status": "ok", "time_s": time_s, "peak_bytes": peak}
+    Ls = [1024, 2048, 4096, 8192]
+    cells = ([cell("full", L, (L / 1024) ** 2, 100) for L in Ls]
+             + [cell("late", L, 2 * L / 1024, 100 if L < 8192 else 400) for L in Ls]
+             + [{"mechanism": "late", "L": 16384, "status": "skipped", "reason": "timeout"}])
+    d = derived(cells, ["full", "late"])
+    assert d["full"]["time_exponent"] == pytest.approx(2) == d["full"]["time_exponent_last"]
+    assert d["full"]["crossover_L"] is None
+    late = d["late"]
+    assert late["time_exponent"] == pytest.approx(1) == late["time_exponent_last"]
+    assert late["memory_exponent_last"] == pytest.approx(2)
+    assert 0.5 < late["memory_exponent"] < 1
+    assert late["crossover_L"] == 4096  # 2048: equal times (4 s each) do not beat full
+    assert exponents(late, "memory") == f"{late['memory_exponent']:.2f} / 2.00"
+    one = derived([cell("full", 64, 1.0, None)], ["full"])["full"]
+    assert one["time_exponent_last"] is None and exponents(one, "memory") == "— / —"
 
 
 def test_peaked_inputs_concentrate_attention():

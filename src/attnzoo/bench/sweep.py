@@ -157,7 +157,12 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
 
 
 def derived(cells: list[dict], mechanisms: list[str]) -> dict[str, dict]:
-    """Per mechanism: time and memory exponents in L, and the crossover length against full."""
+    """Per mechanism: time and memory exponents in L, and the crossover length against full.
+
+    Each exponent twice: fitted over every length run (``time_exponent``), and over the last
+    step alone, the two longest lengths (``time_exponent_last``): a fit over 1024..16384 of
+    memory that is flat, then quadruples at the last doubling, reads ~1 where the last step
+    reads 2, and the last step is where a user's next length goes."""
     ok = [c for c in cells if c["status"] == "ok"]
     full_time = {c["L"]: c["time_s"] for c in ok if c["mechanism"] == "full"}
     out = {}
@@ -166,9 +171,12 @@ def derived(cells: list[dict], mechanisms: list[str]) -> dict[str, dict]:
         Ls = [c["L"] for c in mine]
         crossover = next((c["L"] for c in mine if c["L"] in full_time and name != "full"
                           and c["time_s"] < full_time[c["L"]]), None)
+        times, peaks = [c["time_s"] for c in mine], [c["peak_bytes"] for c in mine]
         out[name] = {
-            "time_exponent": loglog_slope(Ls, [c["time_s"] for c in mine]),
-            "memory_exponent": loglog_slope(Ls, [c["peak_bytes"] for c in mine]),
+            "time_exponent": loglog_slope(Ls, times),
+            "time_exponent_last": loglog_slope(Ls[-2:], times[-2:]),
+            "memory_exponent": loglog_slope(Ls, peaks),
+            "memory_exponent_last": loglog_slope(Ls[-2:], peaks[-2:]),
             "crossover_L": crossover,
         }
     return out
