@@ -154,19 +154,28 @@ def test_render_rewrites_the_report_from_its_json(tmp_path):
     assert out.read_text() == peers.report(doc) and "| efficient |" in out.read_text()
 
 
-def test_report_gives_each_forward_over_its_floor_and_the_target_it_sets():
+def test_report_gives_each_time_over_its_floor_and_the_target_it_sets():
+    """Each time's target follows from the peer's own over its floor, the forward's or the
+    training step's (3× it): 1.0 within 2×, else 0.5; memory has no floor, so always 0.5."""
     floor = peers.floor_s(peers.PAIRS["linformer"], 4096, _doc({}))
-    cells = {"linformer/4096": {"ours": _side(1.4 * floor, 9), "peer": _side(1.9 * floor, 9)},
+    cells = {"linformer/4096": {"ours": {**_side(1.4 * floor, 60), "fwdbwd_s": 4.5 * floor},
+                                "peer": {**_side(1.9 * floor, 100), "fwdbwd_s": 7.5 * floor}},
              "linformer/16384": {"ours": _side(0.6, 9), "peer": _side(1.0, 9)},  # 2.9× its floor
              "log_sparse/16384": {"ours": _side(0.2, 200)}}  # no peer: no row
     text = peers.report(_doc(cells))
-    rows = [line for line in text.split("## Forward time over the FLOP floor")[1].splitlines()
+    rows = [line for line in text.split("## Time over the FLOP floor")[1].splitlines()
             if line.startswith("| linformer |")]
-    assert rows[0] == f"| linformer | 4096 | {floor * 1e3:.1f} | 1.40 | 1.90 | 1 |"  # peer within 2×
-    assert rows[1].endswith(" | 0.5 |") and len(rows) == 2
+    # forward: the peer within 2× (target 1); training step: 2.5× the step's floor (target 0.5)
+    assert rows[0] == f"| linformer | 4096 | {floor * 1e3:.1f} | 1.40 | 1.90 | 1 | 1.50 | 2.50 | 0.5 |"
+    cols = rows[1].strip("| ").split(" | ")  # the peer 2.89× both floors: 0.5 for both
+    assert cols[4] == cols[7] == "2.89" and cols[5] == cols[8] == "0.5" and len(rows) == 2
     pairs = [line for line in text.splitlines() if line.startswith("| linformer | linformer")]
-    assert "| 0.74 ✓ |" in pairs[0] and "| 0.60 ✗ |" in pairs[1]  # the targets applied above
-    assert "| log_sparse |" not in text.split("## Forward time over the FLOP floor")[1]
+    # fwd 0.74 against 1 ✓, step 0.60 against 0.5 ✗, memory 0.60 and 0.60 against 0.5 ✗
+    assert "| 0.74 ✓ |" in pairs[0] and pairs[0].count("| 0.60 ✗ |") == 3
+    assert "| 0.60 ✗ |" in pairs[1]  # the targets applied above
+    assert "| log_sparse |" not in text.split("## Time over the FLOP floor")[1]
+    targets = [m[6] for m in peers.marks(_doc(cells)) if m[0] == "linformer" and m[1] == 4096]
+    assert targets == [1, 0.5, 0.5, 0.5]  # fwd, step, and memory's, which has no floor
 
 
 def test_report_gives_the_share_of_kernel_time():
