@@ -949,7 +949,7 @@ def report(doc: dict) -> str:
         f"rounds){_memory_process(doc)}. Ratios are "
         "ours / peer: below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 "
         "(in time, ≤ 1.0 where the peer's own is within 2× of the FLOP floor: the forward's, or a training "
-        "step's, 3× it); ✓ meets it, ✗ misses it.",
+        f"step's, {STEP_WORK:g}× it); ✓ meets it, ✗ misses it.",
         "",
         *_summary(doc),
         "## Ours against the peer",

@@ -160,9 +160,9 @@ def derived(cells: list[dict], mechanisms: list[str]) -> dict[str, dict]:
     """Per mechanism: time and memory exponents in L, and the crossover length against full.
 
     Each exponent twice: fitted over every length run (``time_exponent``), and over the last
-    step alone, the two longest lengths (``time_exponent_last``): a fit over 1024..16384 of
-    memory that is flat, then quadruples at the last doubling, reads ~1 where the last step
-    reads 2, and the last step is where a user's next length goes."""
+    step alone, the two longest lengths (``time_exponent_last``): a memory flat over
+    1024..8192 that quadruples at 16384 fits to 0.4 where the last step reads 2, and the last
+    step is where a user's next length goes."""
     ok = [c for c in cells if c["status"] == "ok"]
     full_time = {c["L"]: c["time_s"] for c in ok if c["mechanism"] == "full"}
     out = {}
