@@ -109,10 +109,8 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
                   "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
                   "linear_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 2 + [scalar] * 2,
                   "linear_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 4 + [i64] * 2 + [scalar],
-                  "efficient_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
-                  "efficient_queries": [ptr, i64] + [ptr] * 2 + [i64] * 2 + [scalar],
-                  "efficient_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 2 + [scalar],
-                  "efficient_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 6 + [i64] * 2 + [scalar] * 2,
+                  "efficient_forward": [ptr] * 4 + [i64] * 3 + [ptr] * 4 + [i64] * 3 + [scalar] * 2,
+                  "efficient_backward": [ptr] * 5 + [i64] * 4 + [ptr] * 7 + [i64] * 3 + [scalar] * 2,
                   "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int]
                   + [scalar] * 3,
                   "lsh_buckets": [ptr] + [i64] * 4 + [ptr] + [i64] * 2,
@@ -404,11 +402,10 @@ def _efficient_forward(lib, q, k, v, key_mask):
     out, ok = fresh_empty(B, H, Lq, Dv, like=v), _key_ok(key_mask, B, H, Lk)
     tiny, floor = torch.finfo(q.dtype).tiny, _floor(q.dtype)
 
-    def run(a, b):  # heads a..b−1: their keys' G, then their queries
-        lib.efficient_keys(_at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1),
-                           _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), b - a, Lk, tiny, floor)
-        lib.efficient_queries(_at(q, a), q.stride(1), _at(G, a, D * Dv), _at(out, a, Lq * Dv), b - a, Lq,
-                              floor)
+    def run(a, b):  # heads a..b−1, each its keys' G, then its queries
+        lib.efficient_forward(_at(q, a), _at(k, a), _at(v, a), _at(ok, a, Lk), q.stride(1), k.stride(1),
+                              v.stride(1), _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D),
+                              _at(out, a, Lq * Dv), b - a, Lq, Lk, tiny, floor)
 
     _split_heads(lib, B * H, run)
     return out, G, z, c
@@ -435,14 +432,11 @@ class _EfficientNative(torch.autograd.Function):
         dG, ok = torch.empty_like(G), _key_ok(key_mask, B, H, Lk)
         tiny, floor = torch.finfo(q.dtype).tiny, _floor(q.dtype)
 
-        def run(a, b):  # heads a..b−1: dq and dG, then dk and dv
-            _checked(lib.efficient_queries_grad(
-                _at(q, a), _at(g, a), q.stride(1), g.stride(1), _at(G, a, D * Dv), _at(dq, a, Lq * D),
-                _at(dG, a, D * Dv), b - a, Lq, floor))
-            _checked(lib.efficient_keys_grad(
-                _at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1), _at(G, a, D * Dv),
-                _at(z, a, D), _at(c, a, D), _at(dG, a, D * Dv), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv),
-                b - a, Lk, tiny, floor))
+        def run(a, b):  # heads a..b−1, each its dq and dG, then its dk and dv
+            _checked(lib.efficient_backward(
+                _at(q, a), _at(k, a), _at(v, a), _at(ok, a, Lk), _at(g, a), q.stride(1), k.stride(1),
+                v.stride(1), g.stride(1), _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), _at(dG, a, D * Dv),
+                _at(dq, a, Lq * D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a, Lq, Lk, tiny, floor))
 
         _split_heads(lib, B * H, run)
         return dq, dk, dv, None, None

@@ -644,37 +644,27 @@ static AI void four_weights(const REAL *K, const uint8_t *ok, int64_t t, int64_t
     }
 }
 
-/* Keys: G (n_heads, DK, DV), z (n_heads, DK, unclamped) and c (n_heads, DK), written. */
-void efficient_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
-                    REAL *G, REAL *z, REAL *c, int64_t n_heads, int64_t L, REAL tiny, REAL floor_) {
-    OVER_HEADS
-    for (int64_t h = 0; h < n_heads; h++) {
-        const REAL *K = k + h * k_head;
-        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
-        REAL *Gh = G + h * DK * DV, *zh = z + h * DK, *ch = c + h * DK;
-        REAL top[DK]; /* (a local array, kept in registers: ch[] was stored row by row) */
-        for (int d = 0; d < DK; d++) top[d] = -INFINITY;
-        for (int64_t t = 0; t < L; t++)
-            if (!ok || ok[t])
-                for (int d = 0; d < DK; d++) top[d] = K[t * DK + d] > top[d] ? K[t * DK + d] : top[d];
-        for (int d = 0; d < DK; d++) ch[d] = isfinite(top[d]) ? top[d] : 0;
-        for (int i = 0; i < DK * DV; i++) Gh[i] = 0;
-        for (int d = 0; d < DK; d++) zh[d] = 0;
-        const char *next = h + 1 < n_heads ? (const char *)(K + k_head) : 0; /* the next head's keys */
-        for (int64_t t = 0; t < L; t += 4) {
-            REAL E[4][DKP], buf[4][DV];
-            int part[4];
-            if (next && t + 4 <= L) /* into L2 while this head computes: its max pass then reads no DRAM */
-                for (int64_t at = 0; at < 4 * DK * (int64_t)sizeof(REAL); at += 64)
-                    __builtin_prefetch(next + t * DK * (int64_t)sizeof(REAL) + at, 0, 2);
-            four_weights(K, ok, t, L, ch, E, part, floor_);
-            add_outer(Gh, E, four_rows_at(v + h * v_head, t, L, buf));
-            add_weighted(zh, E, ONES);
-        }
-        for (int d = 0; d < DK; d++) {
-            const REAL inv = 1 / (zh[d] > tiny ? zh[d] : tiny);
-            for (int e = 0; e < DV; e++) Gh[d * DV + e] *= inv;
-        }
+/* One head's keys: G (DK, DV), z (DK, unclamped) and c (DK), written. */
+static void keys_head(const REAL *K, const REAL *V, const uint8_t *ok, REAL *G, REAL *z, REAL *c, int64_t L,
+                      REAL tiny, REAL floor_) {
+    REAL top[DK]; /* (a local array, kept in registers: c[] was stored row by row) */
+    for (int d = 0; d < DK; d++) top[d] = -INFINITY;
+    for (int64_t t = 0; t < L; t++)
+        if (!ok || ok[t])
+            for (int d = 0; d < DK; d++) top[d] = K[t * DK + d] > top[d] ? K[t * DK + d] : top[d];
+    for (int d = 0; d < DK; d++) c[d] = isfinite(top[d]) ? top[d] : 0;
+    for (int i = 0; i < DK * DV; i++) G[i] = 0;
+    for (int d = 0; d < DK; d++) z[d] = 0;
+    for (int64_t t = 0; t < L; t += 4) {
+        REAL E[4][DKP], buf[4][DV];
+        int part[4];
+        four_weights(K, ok, t, L, c, E, part, floor_);
+        add_outer(G, E, four_rows_at(V, t, L, buf));
+        add_weighted(z, E, ONES);
+    }
+    for (int d = 0; d < DK; d++) {
+        const REAL inv = 1 / (z[d] > tiny ? z[d] : tiny);
+        for (int e = 0; e < DV; e++) G[d * DV + e] *= inv;
     }
 }
 
@@ -714,100 +704,115 @@ static AI void four_row_exps(const REAL *const *x, REAL (*restrict p)[DKP], REAL
 /* The four query rows of Q from t (the last repeated past the end). */
 #define FOUR_ROWS(Q, t, L) {ROW(Q, t, 0, L, DK), ROW(Q, t, 1, L, DK), ROW(Q, t, 2, L, DK), ROW(Q, t, 3, L, DK)}
 
-/* Queries: out = softmax(q) G (n_heads, L, DV), four queries a pass through G. */
-void efficient_queries(const REAL *q, int64_t q_head, const REAL *G, REAL *out, int64_t n_heads, int64_t L,
-                       REAL floor_) {
+/* One head's queries: O = softmax(Q) G (L, DV), four queries a pass through G. ``next``: the
+ * next head's keys (or null), read into L2 meanwhile (its max pass then reads no DRAM). */
+static void queries_head(const REAL *Q, const REAL *G, REAL *O, int64_t L, const char *next, int stream,
+                         REAL floor_) {
+    for (int64_t t = 0; t < L; t += 4) {
+        const REAL *rows[4] = FOUR_ROWS(Q, t, L);
+        REAL p[4][DKP], n[4][DV];
+        REAL inv[4]; /* (the softmax's normaliser, applied to the product: off its path) */
+        if (next && t + 4 <= L)
+            for (int64_t at = 0; at < 4 * DK * (int64_t)sizeof(REAL); at += 64)
+                __builtin_prefetch(next + t * DK * (int64_t)sizeof(REAL) + at, 0, 2);
+        four_row_exps(rows, p, inv, floor_);
+        times(p, G, n);
+        for (int r = 0; r < 4 && t + r < L; r++) put_row(O + (t + r) * DV, n[r], inv[r], DV, stream);
+    }
+    streams_done(); /* (each thread its own) */
+}
+
+/* Forward: per head its keys' G (n_heads, DK, DV), z (n_heads, DK, unclamped) and c (n_heads,
+ * DK), then its queries' out = softmax(q) G (n_heads, Lq, DV), all written. A head's keys and
+ * queries in one pass of a thread (G still in L1; one parallel region, not two: the training
+ * step at L = 4096 ~0.2 ms shorter). */
+void efficient_forward(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t q_head,
+                       int64_t k_head, int64_t v_head, REAL *G, REAL *z, REAL *c, REAL *out, int64_t n_heads,
+                       int64_t Lq, int64_t Lk, REAL tiny, REAL floor_) {
     const int stream = can_stream(out, DV);
     OVER_HEADS
     for (int64_t h = 0; h < n_heads; h++) {
-        REAL *O = out + h * L * DV;
-        for (int64_t t = 0; t < L; t += 4) {
-            const REAL *rows[4] = FOUR_ROWS(q + h * q_head, t, L);
-            REAL p[4][DKP], n[4][DV];
-            REAL inv[4]; /* (the softmax's normaliser, applied to the product: off its path) */
-            four_row_exps(rows, p, inv, floor_);
-            times(p, G + h * DK * DV, n);
-            for (int r = 0; r < 4 && t + r < L; r++) put_row(O + (t + r) * DV, n[r], inv[r], DV, stream);
-        }
-        streams_done(); /* (each thread its own) */
+        REAL *Gh = G + h * DK * DV;
+        keys_head(k + h * k_head, v + h * v_head, key_ok ? key_ok + h * Lk : 0, Gh, z + h * DK, c + h * DK, Lk,
+                  tiny, floor_);
+        const char *next = h + 1 < n_heads ? (const char *)(k + (h + 1) * k_head) : 0;
+        queries_head(q + h * q_head, Gh, out + h * Lq * DV, Lq, next, stream, floor_);
     }
 }
 
-/* Backward, query side: with p = softmax(q) and dp = G g, dq = p * (dp - p . dp) (n_heads, L, DK)
- * and dG = sum p g^T (n_heads, DK, DV), written. Returns 0, or -1 without memory for G^T. */
-int efficient_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_head, const REAL *G,
-                           REAL *dq, REAL *dG, int64_t n_heads, int64_t L, REAL floor_) {
-    const int stream = can_stream(dq, DK);
+/* Backward, one head's query side: with p = softmax(Q) and dp = G g, dQ = p * (dp - p . dp)
+ * (L, DK) and dG = sum p g^T (DK, DV), written; Gt: room for G^T. */
+static void queries_grad_head(const REAL *Q, const REAL *g, const REAL *G, REAL *Gt, REAL *DQ, REAL *dG,
+                              int64_t L, int stream, REAL floor_) {
+    transpose(G, Gt, DK, DV);
+    for (int i = 0; i < DK * DV; i++) dG[i] = 0;
+    for (int64_t t = 0; t < L; t += 4) {
+        const REAL *rows[4] = FOUR_ROWS(Q, t, L);
+        REAL p[4][DKP], dp[4][DKP] = {{0}}, buf[4][DV], inv[4];
+        four_row_exps(rows, p, inv, floor_); /* p = softmax(q) */
+        for (int r = 0; r < 4; r++)
+            for (int d = 0; d < DK; d++) p[r][d] *= inv[r];
+        const row_dv *gr = four_rows_at(g, t, L, buf); /* (a row past the end: g = 0) */
+        times_t(gr, Gt, dp); /* dp = G g */
+        add_outer(dG, p, gr);
+        for (int r = 0; r < 4 && t + r < L; r++) {
+            const REAL pdp = dot_lanes(p[r], dp[r], 0);
+            for (int d = 0; d < DK; d++) dp[r][d] = p[r][d] * (dp[r][d] - pdp);
+            put_row(DQ + (t + r) * DK, dp[r], 1, DK, stream);
+        }
+    }
+}
+
+/* Backward, one head's key side, from dG: dS = dG / z and dz = -(dG . G) / z per feature (0
+ * where z is clamped: no kept key); per key E = exp(k - c): dk = E * (dS v + dz), dv = dS^T E
+ * (0 for a key ok leaves out). dS, dSt: room for dS and dS^T. */
+static void keys_grad_head(const REAL *K, const REAL *V, const uint8_t *ok, const REAL *G, const REAL *z,
+                           const REAL *c, const REAL *dG, REAL *dS, REAL *dSt, REAL *DK_, REAL *DV_, int64_t L,
+                           int stream_dk, int stream_dv, REAL tiny, REAL floor_) {
+    REAL dz[DK];
+    for (int d = 0; d < DK; d++) {
+        const REAL zc = z[d] > tiny ? z[d] : tiny;
+        REAL dGG = 0;
+        for (int e = 0; e < DV; e++) {
+            dGG += dG[d * DV + e] * G[d * DV + e];
+            dS[d * DV + e] = dG[d * DV + e] / zc;
+        }
+        dz[d] = z[d] >= tiny ? -dGG / z[d] : 0;
+    }
+    transpose(dS, dSt, DK, DV);
+    for (int64_t t = 0; t < L; t += 4) {
+        REAL E[4][DKP];
+        int part[4];
+        four_weights(K, ok, t, L, c, E, part, floor_);
+        keys_grad_rows(V, t, L, part, E, dS, dSt, dz, 1, DK_, DV_, stream_dk, stream_dv);
+    }
+}
+
+/* Backward from the output's gradient g (rows of DV, heads g_head apart) and the forward's G, z,
+ * c: per head its query side, dq (n_heads, Lq, DK) and dG (n_heads, DK, DV), then its key side,
+ * dk (n_heads, Lk, DK) and dv (n_heads, Lk, DV), all written (one parallel region, as the
+ * forward's). Returns 0, or -1 without memory for G^T, dS and dS^T. */
+int efficient_backward(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, const REAL *g,
+                       int64_t q_head, int64_t k_head, int64_t v_head, int64_t g_head, const REAL *G,
+                       const REAL *z, const REAL *c, REAL *dG, REAL *dq, REAL *dk, REAL *dv, int64_t n_heads,
+                       int64_t Lq, int64_t Lk, REAL tiny, REAL floor_) {
+    const int stream_dq = can_stream(dq, DK), stream_dk = can_stream(dk, DK), stream_dv = can_stream(dv, DV);
     int status = 0;
     OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
-        REAL *Gt = lines_alloc(DK * DV, sizeof(REAL), 0);
-        if (!Gt) {
+        REAL *Gt = lines_alloc(DK * DV, sizeof(REAL), 0), *dS = lines_alloc(DK * DV, sizeof(REAL), 0),
+             *dSt = lines_alloc(DK * DV, sizeof(REAL), 0);
+        if (Gt && dS && dSt) {
+            const REAL *Gh = G + h * DK * DV;
+            REAL *dGh = dG + h * DK * DV;
+            queries_grad_head(q + h * q_head, g + h * g_head, Gh, Gt, dq + h * Lq * DK, dGh, Lq, stream_dq, floor_);
+            keys_grad_head(k + h * k_head, v + h * v_head, key_ok ? key_ok + h * Lk : 0, Gh, z + h * DK, c + h * DK,
+                           dGh, dS, dSt, dk + h * Lk * DK, dv + h * Lk * DV, Lk, stream_dk, stream_dv, tiny, floor_);
+            streams_done();
+        } else {
             status = -1;
-            continue;
         }
-        REAL *dGh = dG + h * DK * DV, *DQ = dq + h * L * DK;
-        transpose(G + h * DK * DV, Gt, DK, DV);
-        for (int i = 0; i < DK * DV; i++) dGh[i] = 0;
-        for (int64_t t = 0; t < L; t += 4) {
-            const REAL *rows[4] = FOUR_ROWS(q + h * q_head, t, L);
-            REAL p[4][DKP], dp[4][DKP] = {{0}}, buf[4][DV], inv[4];
-            four_row_exps(rows, p, inv, floor_); /* p = softmax(q) */
-            for (int r = 0; r < 4; r++)
-                for (int d = 0; d < DK; d++) p[r][d] *= inv[r];
-            const row_dv *gr = four_rows_at(g + h * g_head, t, L, buf); /* (a row past the end: g = 0) */
-            times_t(gr, Gt, dp); /* dp = G g */
-            add_outer(dGh, p, gr);
-            for (int r = 0; r < 4 && t + r < L; r++) {
-                const REAL pdp = dot_lanes(p[r], dp[r], 0);
-                for (int d = 0; d < DK; d++) dp[r][d] = p[r][d] * (dp[r][d] - pdp);
-                put_row(DQ + (t + r) * DK, dp[r], 1, DK, stream);
-            }
-        }
-        streams_done();
         free(Gt);
-    }
-    return status;
-}
-
-/* Backward, key side, from dG: dS = dG / z and dz = -(dG . G) / z per feature (0 where z is
- * clamped: no kept key); per key E = exp(k - c): dk = E * (dS v + dz), dv = dS^T E
- * (0 for a key key_ok leaves out). Returns 0, or -1 without memory for dS and dS^T. */
-int efficient_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
-                        const REAL *G, const REAL *z, const REAL *c, const REAL *dG, REAL *dk, REAL *dv,
-                        int64_t n_heads, int64_t L, REAL tiny, REAL floor_) {
-    const int stream_dk = can_stream(dk, DK), stream_dv = can_stream(dv, DV);
-    int status = 0;
-    OVER_HEADS_STATUS
-    for (int64_t h = 0; h < n_heads; h++) {
-        REAL *dS = lines_alloc(DK * DV, sizeof(REAL), 0), *dSt = lines_alloc(DK * DV, sizeof(REAL), 0);
-        if (!dS || !dSt) {
-            free(dS);
-            free(dSt);
-            status = -1;
-            continue;
-        }
-        const REAL *Gh = G + h * DK * DV, *dGh = dG + h * DK * DV, *zh = z + h * DK;
-        const uint8_t *ok = key_ok ? key_ok + h * L : 0;
-        REAL dz[DK];
-        for (int d = 0; d < DK; d++) {
-            const REAL zc = zh[d] > tiny ? zh[d] : tiny;
-            REAL dGG = 0;
-            for (int e = 0; e < DV; e++) {
-                dGG += dGh[d * DV + e] * Gh[d * DV + e];
-                dS[d * DV + e] = dGh[d * DV + e] / zc;
-            }
-            dz[d] = zh[d] >= tiny ? -dGG / zh[d] : 0;
-        }
-        transpose(dS, dSt, DK, DV);
-        for (int64_t t = 0; t < L; t += 4) {
-            REAL E[4][DKP];
-            int part[4];
-            four_weights(k + h * k_head, ok, t, L, c + h * DK, E, part, floor_);
-            keys_grad_rows(v + h * v_head, t, L, part, E, dS, dSt, dz, 1, dk + h * L * DK, dv + h * L * DV,
-                           stream_dk, stream_dv);
-        }
-        streams_done();
         free(dS);
         free(dSt);
     }
