@@ -109,8 +109,8 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
                   "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
                   "linear_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 2 + [scalar] * 2,
                   "linear_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 4 + [i64] * 2 + [scalar],
-                  "efficient_forward": [ptr] * 4 + [i64] * 3 + [ptr] * 4 + [i64] * 3 + [scalar] * 2,
-                  "efficient_backward": [ptr] * 5 + [i64] * 4 + [ptr] * 7 + [i64] * 3 + [scalar] * 2,
+                  "efficient_forward": [ptr] * 4 + [i64] * 3 + [ptr] * 5 + [i64] * 3 + [scalar] * 2,
+                  "efficient_backward": [ptr] * 5 + [i64] * 4 + [ptr] * 8 + [i64] * 3 + [scalar] * 2,
                   "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int]
                   + [scalar] * 3,
                   "lsh_buckets": [ptr] + [i64] * 4 + [ptr] + [i64] * 2,
@@ -394,38 +394,42 @@ def efficient(q, k, v, key_mask):
     return _with_autograd(_EfficientNative, _efficient_forward, lib, q, k, v, key_mask)
 
 
-def _efficient_forward(lib, q, k, v, key_mask):
-    """(out, G (B·H, D, Dv), z (B·H, D), c (B·H, D)) of :func:`efficient`."""
+def _efficient_forward(lib, q, k, v, key_mask, keep_shift=False):
+    """(out, G (B·H, D, Dv), z (B·H, D), c (B·H, D), shift) of :func:`efficient`; with
+    ``keep_shift`` (for the backward; else None) the queries' row shifts max + log Σ exp(q − max)
+    (B·H, Lq), by which σ(q) = exp(q − shift)."""
     (B, H, Lq, D), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
     q, k, v = _heads(q), _heads(k), _heads(v)
     G, z, c = q.new_empty(B * H, D, Dv), q.new_empty(B * H, D), q.new_empty(B * H, D)
+    shift = q.new_empty(B * H, Lq) if keep_shift else None
     out, ok = fresh_empty(B, H, Lq, Dv, like=v), _key_ok(key_mask, B, H, Lk)
     tiny, floor = torch.finfo(q.dtype).tiny, _floor(q.dtype)
 
     def run(a, b):  # heads a..b−1, each its keys' G, then its queries
         lib.efficient_forward(_at(q, a), _at(k, a), _at(v, a), _at(ok, a, Lk), q.stride(1), k.stride(1),
                               v.stride(1), _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D),
-                              _at(out, a, Lq * Dv), b - a, Lq, Lk, tiny, floor)
+                              _at(out, a, Lq * Dv), _at(shift, a, Lq), b - a, Lq, Lk, tiny, floor)
 
     _split_heads(lib, B * H, run)
-    return out, G, z, c
+    return out, G, z, c, shift
 
 
 class _EfficientNative(torch.autograd.Function):
-    """:func:`efficient` under autograd: the forward keeps G, z and c, the backward recomputes
-    each row's softmax or weights in C. With p = σ(q): dq = p ⊙ (G g − p·G g), dG = Σ p gᵀ; then
-    dS = dG / z, dz = −(dG·G)/z (0 where no real key), and per key dk = E ⊙ (dS v + dz), dv = dSᵀE."""
+    """:func:`efficient` under autograd: the forward keeps G, z, c and the queries' row shifts, the
+    backward recomputes each row's softmax (σ(q) = exp(q − shift)) or weights in C. With p = σ(q):
+    dq = p ⊙ (G g − p·G g), dG = Σ p gᵀ; then dS = dG / z, dz = −(dG·G)/z (0 where no real key),
+    and per key dk = E ⊙ (dS v + dz), dv = dSᵀE."""
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, lib):
-        out, G, z, c = _efficient_forward(lib, q, k, v, key_mask)
-        ctx.save_for_backward(q, k, v, key_mask, G, z, c)
+        out, G, z, c, shift = _efficient_forward(lib, q, k, v, key_mask, keep_shift=True)
+        ctx.save_for_backward(q, k, v, key_mask, G, z, c, shift)
         ctx.lib = lib
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, key_mask, G, z, c = ctx.saved_tensors
+        q, k, v, key_mask, G, z, c, shift = ctx.saved_tensors
         lib, (B, H, Lq, D), Lk, Dv = ctx.lib, q.shape, k.shape[2], v.shape[-1]
         q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
         dq, dk, dv = fresh_like(q, k, v)
@@ -435,8 +439,9 @@ class _EfficientNative(torch.autograd.Function):
         def run(a, b):  # heads a..b−1, each its dq and dG, then its dk and dv
             _checked(lib.efficient_backward(
                 _at(q, a), _at(k, a), _at(v, a), _at(ok, a, Lk), _at(g, a), q.stride(1), k.stride(1),
-                v.stride(1), g.stride(1), _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), _at(dG, a, D * Dv),
-                _at(dq, a, Lq * D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a, Lq, Lk, tiny, floor))
+                v.stride(1), g.stride(1), _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), _at(shift, a, Lq),
+                _at(dG, a, D * Dv), _at(dq, a, Lq * D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a,
+                Lq, Lk, tiny, floor))
 
         _split_heads(lib, B * H, run)
         return dq, dk, dv, None, None
