@@ -735,8 +735,8 @@ static void queries_head(const REAL *Q, const REAL *G, REAL *O, REAL *shift, int
 /* Forward: per head its keys' G (n_heads, DK, DV), z (n_heads, DK, unclamped) and c (n_heads,
  * DK), then its queries' out = softmax(q) G (n_heads, Lq, DV), all written, and where ``shift``
  * is not null the queries' row shifts (n_heads, Lq) for the backward. A head's keys and
- * queries in one pass of a thread (G still in L1; one parallel region, not two: the training
- * step at L = 4096 ~0.2 ms shorter). */
+ * queries in one pass of a thread (G still in L1; one parallel region, not two: the forward at
+ * L = 4096 ~0.1 ms shorter, within this VM's noise). */
 void efficient_forward(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t q_head,
                        int64_t k_head, int64_t v_head, REAL *G, REAL *z, REAL *c, REAL *out, REAL *shift,
                        int64_t n_heads, int64_t Lq, int64_t Lk, REAL tiny, REAL floor_) {
