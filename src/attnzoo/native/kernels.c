@@ -40,15 +40,13 @@
 #define OVER_HEADS_STATUS
 #endif
 
-/* n values of ``size`` bytes each from a cache line's start (64 bytes), zeroed with ``zero``: from
- * malloc's 16-byte alignment a 64-byte vector of a state's row straddled two lines at most
- * loads, and the backward's products ran at ~60 % of the FMA peak (efficient's keys' gradient,
- * one thread, L = 4096: 9.3 ms; 7.5 ms aligned). Freed with free(). */
-static void *lines_alloc(size_t n, size_t size, int zero) {
+/* Room for n values of ``size`` bytes from a cache line's start (64 bytes), freed with free(): at
+ * malloc's 16-byte alignment most 64-byte vectors of a state's rows straddled two lines, and the
+ * backward's products ran at ~60 % of the FMA peak (efficient's keys' gradient, one thread,
+ * L = 4096: 9.3 ms; 7.5 ms aligned). */
+static void *lines_alloc(size_t n, size_t size) {
     const size_t bytes = (n * size + 63) / 64 * 64;
-    void *p = aligned_alloc(64, bytes ? bytes : 64);
-    if (p && zero) memset(p, 0, bytes);
-    return p;
+    return aligned_alloc(64, bytes ? bytes : 64);
 }
 
 /* Whether this build splits heads itself (OVER_HEADS). */
@@ -439,7 +437,7 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
     int status = 0;
     OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
-        REAL *St = lines_alloc(DK * DV, sizeof(REAL), 0); /* (a head's own: heads run side by side) */
+        REAL *St = lines_alloc(DK * DV, sizeof(REAL)); /* (a head's own: heads run side by side) */
         if (!St) {
             status = -1;
             continue;
@@ -506,7 +504,7 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
     int status = 0;
     OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
-        REAL *dSt = lines_alloc(DK * DV, sizeof(REAL), 0);
+        REAL *dSt = lines_alloc(DK * DV, sizeof(REAL));
         if (!dSt) {
             status = -1;
             continue;
@@ -556,7 +554,7 @@ int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_
     int status = 0;
     OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
-        REAL *T = lines_alloc(DV * DKP, sizeof(REAL), 0), *per = malloc(sizeof(REAL) * 2 * (L > 0 ? L : 1));
+        REAL *T = lines_alloc(DV * DKP, sizeof(REAL)), *per = malloc(sizeof(REAL) * 2 * (L > 0 ? L : 1));
         if (!T || !per) {
             free(T);
             free(per);
@@ -670,9 +668,9 @@ static void keys_head(const REAL *K, const REAL *V, const uint8_t *ok, REAL *G, 
 
 /* Four query rows' exponentials over their features, exp(x - max x), into p (zero past DK);
  * inv[r] = 1 / row r's sum and, where ``shift`` is not null, shift[r] = max + log(sum), by which
- * softmax(x) = exp(x - shift) (for the backward). x: the rows. Each step for the four rows before the next (their
- * maxima, then their exponentials, then their sums): one row at a time, each step's folds of
- * lanes waited on the last, and efficient's queries took 13 % longer. */
+ * softmax(x) = exp(x - shift) (for the backward). x: the rows. Each step for the four rows
+ * before the next (their maxima, then their exponentials, then their sums): one row at a time,
+ * each step's folds of lanes waited on the last, and efficient's queries took 13 % longer. */
 static AI void four_row_exps(const REAL *const *x, REAL (*restrict p)[DKP], REAL *restrict inv, REAL *shift,
                               REAL floor_) {
     lanes_v top[4], sum[4], c;
@@ -747,7 +745,8 @@ void efficient_forward(const REAL *q, const REAL *k, const REAL *v, const uint8_
         keys_head(k + h * k_head, v + h * v_head, key_ok ? key_ok + h * Lk : 0, Gh, z + h * DK, c + h * DK, Lk,
                   tiny, floor_);
         const char *next = h + 1 < n_heads ? (const char *)(k + (h + 1) * k_head) : 0;
-        queries_head(q + h * q_head, Gh, out + h * Lq * DV, shift ? shift + h * Lq : 0, Lq, next, stream, floor_);
+        queries_head(q + h * q_head, Gh, out + h * Lq * DV, shift ? shift + h * Lq : 0, Lq, next, stream,
+                     floor_);
     }
 }
 
@@ -817,26 +816,27 @@ static void keys_grad_head(const REAL *K, const REAL *V, const uint8_t *ok, cons
 }
 
 /* Backward from the output's gradient g (rows of DV, heads g_head apart) and the forward's G, z,
- * c and row shifts: per head its query side, dq (n_heads, Lq, DK) and dG (n_heads, DK, DV), then its key side,
- * dk (n_heads, Lk, DK) and dv (n_heads, Lk, DV), all written (one parallel region, as the
- * forward's). Returns 0, or -1 without memory for G^T, dS and dS^T. */
+ * c and row shifts: per head its query side, dq (n_heads, Lq, DK) and dG (n_heads, DK, DV),
+ * then its key side, dk (n_heads, Lk, DK) and dv (n_heads, Lk, DV), all written (one parallel
+ * region, as the forward's). Returns 0, or -1 without memory for G^T, dS and dS^T. */
 int efficient_backward(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, const REAL *g,
                        int64_t q_head, int64_t k_head, int64_t v_head, int64_t g_head, const REAL *G,
-                       const REAL *z, const REAL *c, const REAL *shift, REAL *dG, REAL *dq, REAL *dk, REAL *dv, int64_t n_heads,
-                       int64_t Lq, int64_t Lk, REAL tiny, REAL floor_) {
+                       const REAL *z, const REAL *c, const REAL *shift, REAL *dG, REAL *dq, REAL *dk, REAL *dv,
+                       int64_t n_heads, int64_t Lq, int64_t Lk, REAL tiny, REAL floor_) {
     const int stream_dq = can_stream(dq, DK), stream_dk = can_stream(dk, DK), stream_dv = can_stream(dv, DV);
     int status = 0;
     OVER_HEADS_STATUS
     for (int64_t h = 0; h < n_heads; h++) {
-        REAL *Gt = lines_alloc(DK * DV, sizeof(REAL), 0), *dS = lines_alloc(DK * DV, sizeof(REAL), 0),
-             *dSt = lines_alloc(DK * DV, sizeof(REAL), 0);
+        REAL *Gt = lines_alloc(DK * DV, sizeof(REAL)), *dS = lines_alloc(DK * DV, sizeof(REAL)),
+             *dSt = lines_alloc(DK * DV, sizeof(REAL));
         if (Gt && dS && dSt) {
             const REAL *Gh = G + h * DK * DV;
             REAL *dGh = dG + h * DK * DV;
             queries_grad_head(q + h * q_head, g + h * g_head, shift + h * Lq, Gh, Gt, dq + h * Lq * DK, dGh, Lq,
                               stream_dq, floor_);
-            keys_grad_head(k + h * k_head, v + h * v_head, key_ok ? key_ok + h * Lk : 0, Gh, z + h * DK, c + h * DK,
-                           dGh, dS, dSt, dk + h * Lk * DK, dv + h * Lk * DV, Lk, stream_dk, stream_dv, tiny, floor_);
+            keys_grad_head(k + h * k_head, v + h * v_head, key_ok ? key_ok + h * Lk : 0, Gh, z + h * DK,
+                           c + h * DK, dGh, dS, dSt, dk + h * Lk * DK, dv + h * Lk * DV, Lk, stream_dk, stream_dv,
+                           tiny, floor_);
             streams_done();
         } else {
             status = -1;
