@@ -276,6 +276,28 @@ def test_native_efficient_runs_float32_and_gradcheck(monkeypatch):
     assert len(calls) >= 2 and all(ran for _, ran in calls), calls
 
 
+@pytest.mark.parametrize("mechanism, causal, name", [
+    ("efficient", False, "efficient"), ("linear", False, "linear"), ("linear", True, "causal_linear")])
+@pytest.mark.parametrize("D, Dv", [(64, 64), (48, 80)])
+def test_native_float32_gradients_at_vector_widths(monkeypatch, mechanism, causal, name, D, Dv):
+    """float32 forward and gradients within float32 rounding of the float64 reference, at rows of
+    whole 64-byte vectors (64 and 48 values: on AVX-512 the four-row products hold them in
+    registers, kernels.c IN_REGISTERS) and past four of them (80: the loops GCC vectorises)."""
+    calls = []
+    monkeypatch.setattr(_native, name, _spy(getattr(_native, name), name, calls))
+    q, k, v, km = random_inputs(B=2, H=3, Lq=157, Lk=157, D=D, Dv=Dv, masked=True, seed=7, requires_grad=True)
+    g = torch.randn(2, 3, 157, Dv, dtype=q.dtype)
+    kw = dict(mechanism=mechanism, causal=causal, key_mask=km)
+    ref = attnzoo.attention(q, k, v, reference=True, **kw)
+    want = (ref, *torch.autograd.grad(ref, (q, k, v), g))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out = attnzoo.attention(q32, k32, v32, **kw)
+    got = (out, *torch.autograd.grad(out, (q32, k32, v32), g.float()))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=2e-5 * b.abs().max().item(), rtol=2e-4)
+    assert calls and all(ran for _, ran in calls), calls
+
+
 def _lsh(q, k, v, km, generator_seed, reference=False, **options):
     with torch.no_grad():
         return attnzoo.attention(q, k, v, mechanism="lsh", key_mask=km, reference=reference,
