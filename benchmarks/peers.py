@@ -852,15 +852,15 @@ MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, wh
     ("efficient", "fwd_s"): (
         "ours is two (L × 64) by (64 × 64) products a head and the exponentials of q and k, in C "
         "(native/kernels.c); the peer's are torch's softmax and BLAS. Timed alone on the AMD EPYC "
-        "(L = 4096, 2 threads, the kernels called from C), our forward takes 3.45–3.6 ms: its two "
-        "products at the FMA units' rate (~94 GFLOP/s a core) take ~2.85 ms, the exponentials and "
-        "the rows' maxima and sums the rest; a peer's forward at ~2.6× its floor asks ours for ~1.3×."),
+        "(L = 4096, 2 threads, the kernels called from C), our forward takes ~3.3 ms, its two "
+        "products ~2.3 ms of it at the FMA units' peak (117 GFLOP/s a core, one 16-lane multiply-add "
+        "a cycle), the exponentials and the rows' maxima and sums the rest."),
     ("efficient", "fwdbwd_s"): (
         "the step is six such products a head (two forward; dP = g Gᵀ, dG = Pᵀ g, dE = V dSᵀ and "
         "dV = E dS backward) and the exponentials twice (the backward recomputes them from the "
         "forward's row shifts and column maxima: nothing of (L, D) is kept), all in C. Timed alone on "
-        "the AMD EPYC (L = 4096, 2 threads), the forward takes ~3.5 ms and the backward ~6.9 ms, "
-        "~5.7 of it its four products at the FMA units' rate."),
+        "the AMD EPYC (L = 4096, 2 threads), the forward takes ~3.3 ms and the backward ~6.3 ms, "
+        "~4.6 of it its four products at the FMA units' peak."),
 }
 
 

@@ -286,7 +286,7 @@ def test_native_float32_gradients_at_vector_widths(monkeypatch, mechanism, causa
     calls = []
     monkeypatch.setattr(_native, name, _spy(getattr(_native, name), name, calls))
     q, k, v, km = random_inputs(B=2, H=3, Lq=157, Lk=157, D=D, Dv=Dv, masked=True, seed=7, requires_grad=True)
-    g = torch.randn(2, 3, 157, Dv, dtype=q.dtype)
+    g = torch.randn(2, 3, 157, Dv, dtype=q.dtype, generator=torch.Generator().manual_seed(7))
     kw = dict(mechanism=mechanism, causal=causal, key_mask=km)
     ref = attnzoo.attention(q, k, v, reference=True, **kw)
     want = (ref, *torch.autograd.grad(ref, (q, k, v), g))
@@ -294,7 +294,7 @@ def test_native_float32_gradients_at_vector_widths(monkeypatch, mechanism, causa
     out = attnzoo.attention(q32, k32, v32, **kw)
     got = (out, *torch.autograd.grad(out, (q32, k32, v32), g.float()))
     for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a.double(), b, atol=2e-5 * b.abs().max().item(), rtol=2e-4)
+        torch.testing.assert_close(a.double(), b, atol=1e-4 * b.abs().max().item(), rtol=2e-4)
     assert calls and all(ran for _, ran in calls), calls
 
 
