@@ -835,7 +835,8 @@ NYSTROM_WORK = (  # {what}: a forward or a training step, with its own counts of
     "nearly all of this {what} is work both sides do, at the rate of torch's kernels: the layer's "
     "four projections ({gemms} GEMMs of (L × 512) by (512 × 512)), the pseudo-inverse's six "
     "iterations ({products} products of (256 × 256) matrices a head) and the two landmark kernels "
-    "in SDPA's fused CPU kernel, about a third each. The groupings of the iteration with fewer "
+    "(the landmarks' queries over the keys in SDPA's fused CPU kernel, the queries over the "
+    "landmarks in C at the FMA units' peak), about a third each. The groupings of the iteration with fewer "
     "products (P = AZ carried from step to step; the spectrum of AAᵀ through eigh) were measured: "
     "in float32 they lose 30–60× the iteration's accuracy, in float64 their eigh costs what they "
     "save (closing notes of issue 8).")
@@ -844,11 +845,11 @@ MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, wh
                                                  products="exact backpropagation: ~63"),
     ("nystrom", "fwd_s"): NYSTROM_WORK.format(what="forward", gemms=4, products="~21"),
     ("linformer", "fwdbwd_s"): (
-        "the step is products at BLAS's rate on both sides: the layer's q and output projections, "
-        "E X and F X (the sequence brought to 256 rows before W_K and W_V: the least work) and the "
-        "scores and values of 256 keys a query. Ours runs within ~1.2× of its floor (table below); a "
-        "peer's step within ~2.2× of it cannot be halved short of ~1.1×, beyond what SDPA's own "
-        "step reaches."),
+        "the step is products on both sides: the layer's q and output projections and E X and F X "
+        "(the sequence brought to 256 rows before W_K and W_V: the least work) at BLAS's rate, and "
+        "the scores and values of 256 keys a query (ours in C at the FMA units' peak). Ours runs "
+        "within ~1.1× of its floor (table below); a peer's step within ~2.2× of it cannot be "
+        "halved short of ~1.1×, beyond what SDPA's own step reaches."),
     ("efficient", "fwd_s"): (
         "ours is two (L × 64) by (64 × 64) products a head and the exponentials of q and k, in C "
         "(native/kernels.c); the peer's are torch's softmax and BLAS. Timed alone on the AMD EPYC "

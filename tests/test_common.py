@@ -144,7 +144,9 @@ def test_few_keys_in_pieces_matches_the_reference(monkeypatch):
     """FewKeys' pieces (forward and backward) against the plain softmax's in float64: q laid out
     as a layer's (a view of (B, L, H, D)), 101 queries in pieces of 5 rows (the last partial),
     B and H > 1; the output and dq laid out (B, L, H, ·) so that the layer's merge is a view;
-    few_keys_attention takes the pieces from WHOLE_BYTES_MAX on, one SDPA call below; gradcheck."""
+    few_keys_attention takes the pieces from WHOLE_BYTES_MAX on, one SDPA call below, where the
+    native kernel is off (its own tests: test_native.py); gradcheck."""
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")
     monkeypatch.setattr(_common, "KEYS_PIECE", 2 * 3 * 8 * 5)  # B·H·Dv·5: 5 rows a piece
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 101, 3, 8, dtype=torch.float64, generator=g).transpose(1, 2).requires_grad_()

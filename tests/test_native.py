@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 import attnzoo
 from attnzoo import _native
+from attnzoo.mechanisms._common import few_keys_attention
+from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.mechanisms.linear import LinearOptions, linear_flops, linear_step
 
 from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
@@ -296,6 +298,64 @@ def test_native_float32_gradients_at_vector_widths(monkeypatch, mechanism, causa
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), b, atol=1e-4 * b.abs().max().item(), rtol=2e-4)
     assert calls and all(ran for _, ran in calls), calls
+
+
+def _few_keys_inputs(B, H, Lq, n, D, Dv, layer, seed, dtype=torch.float64, scores=1.0):
+    """q (B, H, Lq, D) (with ``layer``, a view of (B, Lq, H, D): a layer's split of the heads),
+    k (B, H, n, D), v (B, H, n, Dv), all needing gradients; q and k times ``scores``."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Lq, H, D, dtype=dtype, generator=g).transpose(1, 2) if layer
+         else torch.randn(B, H, Lq, D, dtype=dtype, generator=g))
+    k = torch.randn(B, H, n, D, dtype=dtype, generator=g)
+    v = torch.randn(B, H, n, Dv, dtype=dtype, generator=g)
+    return (q * scores).detach().requires_grad_(), (k * scores).requires_grad_(), v.requires_grad_()
+
+
+def _few_keys_checked(q, k, v, scale, grad, atol, rtol):
+    """few_keys_attention through the native kernel (asserted) against the plain softmax
+    (float64), output and gradients; both laid out (B, L, H, ·) as SDPA's."""
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_native, "few_keys", _spy(_native.few_keys, "few_keys", calls))
+        out = few_keys_attention(q, k, v, scale)
+    assert calls == [("few_keys", True)]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = softmax_reference(q64, k64, v64, None, scale)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)))
+    want = (expected, *torch.autograd.grad(expected, (q64, k64, v64), grad.double()))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=atol * b.abs().max().item(), rtol=rtol)
+    assert out.transpose(1, 2).is_contiguous() and got[1].transpose(1, 2).is_contiguous()
+
+
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), Lq=st.integers(1, 23),
+       n=st.sampled_from([1, 5, 63, 64, 65, 130]), D=st.sampled_from([1, 3, 8, 16]),
+       Dv=st.sampled_from([1, 5, 8]), layer=st.booleans(), seed=st.integers(0, 99))
+def test_native_few_keys_matches_the_reference(B, H, Lq, n, D, Dv, layer, seed):
+    """Few-keys attention in C (linformer's projected keys, nystrom's landmarks), forward and
+    gradients, against the plain softmax in float64: odd lengths, n across the 64 scores a
+    product computes a row (1, 63, 64, 65, 130), q in a layer's layout or contiguous."""
+    q, k, v = _few_keys_inputs(B, H, Lq, n, D, Dv, layer, seed)
+    grad = torch.randn(B, H, Lq, Dv, dtype=q.dtype, generator=torch.Generator().manual_seed(seed))
+    _few_keys_checked(q, k, v, 0.3, grad, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype, atol, scores", [(torch.float32, 1e-4, 1.0), (torch.float64, 1e-12, 30.0)])
+@pytest.mark.parametrize("n", [256, 200])
+def test_native_few_keys_at_the_benchmarks_widths(dtype, atol, scores, n):
+    """float32 (the polynomial exp; D = 64: the products' rows in registers) within float32
+    rounding of the float64 reference, at n = 256 keys and 200 (a last product of 8 scores a
+    row); float64 with scores of several thousand: each row shifted by its own maximum."""
+    q, k, v = _few_keys_inputs(2, 3, 301, n, 64, 64, True, 5, dtype, scores)
+    grad = torch.randn(2, 3, 301, 64, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    _few_keys_checked(q, k, v, 0.125, grad, atol=atol, rtol=2e-4 if dtype == torch.float32 else 1e-10)
+
+
+def test_native_few_keys_gradcheck_and_no_keys():
+    q, k, v = _few_keys_inputs(1, 2, 6, 5, 3, 2, True, 3)
+    assert torch.autograd.gradcheck(lambda *t: _native.few_keys(*t, 0.5), (q, k, v))
+    assert _native.few_keys(q, k[:, :, :0], v[:, :, :0], 0.5) is None  # (the caller's SDPA then)
 
 
 def _lsh(q, k, v, km, generator_seed, reference=False, **options):

@@ -257,9 +257,15 @@ def _pieces(q: torch.Tensor, Dv: int) -> list[slice]:
 
 
 def few_keys_attention(q, k, v, scale):
-    """softmax(q kᵀ·scale) v (B, H, Lq, Dv) for many queries over few keys, every key: by
-    :class:`FewKeys` where the fused kernel fits and the output is WHOLE_BYTES_MAX or more,
-    else by one SDPA call."""
+    """softmax(q kᵀ·scale) v (B, H, Lq, Dv) for many queries over few keys, every key: by the
+    native kernel where it runs (:func:`attnzoo._native.few_keys`), else by :class:`FewKeys`
+    where the fused kernel fits and the output is WHOLE_BYTES_MAX or more, else by one SDPA
+    call."""
+    from attnzoo import _native  # (here, not above: _native imports this module)
+
+    native = _native.few_keys(q, k, v, scale)
+    if native is not None:
+        return native
     large = q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] * v.element_size() >= WHOLE_BYTES_MAX
     if large and fused_kernel_fits(q, k, v):
         return FewKeys.apply(q, k, v, scale)[0]

@@ -65,7 +65,7 @@ def linformer_attention(q, k, v, opts=LinformerOptions(), *, causal=False, key_m
 
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
     Cost O(Lk·proj_len·D + Lq·proj_len·D) time, O(L·proj_len) memory at most (the
-    projected attention runs in SDPA's fused kernel: :func:`few_keys_attention`).
+    projected attention runs in C, or SDPA's fused kernel: :func:`few_keys_attention`).
     Padded keys and values are zeroed before projecting. Non-causal only: every
     projected row mixes all positions. Wang et al., Linformer: Self-Attention with
     Linear Complexity, 2020.

@@ -123,8 +123,9 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
 
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
     Cost O(L·m·D + m³) time, O(L·m) memory at most: the two outer kernels run as
-    SDPA (landmark queries over the keys, :func:`few_queries_attention`; queries over
-    the landmark keys, :func:`few_keys_attention`), never an L×L matrix. Padded keys
+    SDPA (landmark queries over the keys, :func:`few_queries_attention`) and in C where
+    it builds (queries over the landmark keys, :func:`few_keys_attention`), never an
+    L×L matrix. Padded keys
     take no part (in the landmarks or the softmax). With m >= L the landmarks are Q
     and K and the result is full attention up to the pseudo-inverse's convergence.
     Non-causal. Xiong et al., AAAI 2021.
