@@ -352,10 +352,13 @@ def test_native_few_keys_at_the_benchmarks_widths(dtype, atol, scores, n):
     _few_keys_checked(q, k, v, 0.125, grad, atol=atol, rtol=2e-4 if dtype == torch.float32 else 1e-10)
 
 
-def test_native_few_keys_gradcheck_and_no_keys():
+def test_native_few_keys_gradcheck_no_keys_and_no_second_derivative():
     q, k, v = _few_keys_inputs(1, 2, 6, 5, 3, 2, True, 3)
     assert torch.autograd.gradcheck(lambda *t: _native.few_keys(*t, 0.5), (q, k, v))
     assert _native.few_keys(q, k[:, :, :0], v[:, :, :0], 0.5) is None  # (the caller's SDPA then)
+    (dq,) = torch.autograd.grad(_native.few_keys(q, k, v, 0.5).pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # not a silent zero
+        dq.sum().backward()
 
 
 def _lsh(q, k, v, km, generator_seed, reference=False, **options):

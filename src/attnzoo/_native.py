@@ -42,6 +42,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attnzoo._pages import fresh_empty, fresh_like
 from attnzoo.mechanisms._common import needs_grad
@@ -505,6 +506,7 @@ class _FewKeys(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         lib, (B, H, Lq, D), n = ctx.lib, q.shape, k.shape[2]
