@@ -17,9 +17,9 @@ compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
 ``~/.cache/attnzoo``) under a name that hashes the source, the flags and the CPU, so a
 changed source or another machine builds afresh. Where there is no compiler, the build
 fails, or ``ATTNZOO_NATIVE=0``, the entry points (:func:`causal_linear`, :func:`linear`,
-:func:`efficient`, :func:`few_keys`, :func:`lsh`, :func:`lsh_order`, and :func:`lsh_kernels` for
-the hash) return None and the callers take their eager path: the results are the same either way (to
-rounding; the tests hold them to it). The batch entries and heads are split among torch's
+:func:`efficient`, :func:`few_keys`, :func:`lsh`, :func:`lsh_order`, and :func:`lsh_kernels`
+for the hash) return None and the callers take their eager path: the results are the same
+either way (to rounding; the tests hold them to it). The batch entries and heads are split among torch's
 intra-op threads: where torch runs on OpenMP, linear's and efficient's kernels are built with it
 and split them in C, on the threads torch's own ops use (efficient's forward at L = 1024: 0.66
 ms a call, against 0.85-1.18 ms with a Python pool's handoff); otherwise, and for LSH's, a
@@ -465,6 +465,7 @@ def few_keys(q, k, v, scale):
     lib = _kernels(q, k, v)
     if lib is None or k.shape[2] == 0:
         return None
+    q, k, v = _rows(q), k.contiguous(), v.contiguous()  # (once: the backward reads these too)
     if needs_grad(q, k, v):
         return _FewKeys.apply(q, k, v, scale, lib)
     return _few_keys_forward(lib, q, k, v, scale, keep_lse=False)[0]
@@ -482,9 +483,8 @@ def _layout(t: torch.Tensor):
 
 
 def _few_keys_forward(lib, q, k, v, scale, keep_lse):
-    """(out, lse (B, H, Lq) or None) of :func:`few_keys`."""
+    """(out, lse (B, H, Lq) or None) of :func:`few_keys`, q's rows and k and v contiguous."""
     (B, H, Lq, _), n, Dv = q.shape, k.shape[2], v.shape[-1]
-    q, k, v = _rows(q), k.contiguous(), v.contiguous()
     out = fresh_empty(B, Lq, H, Dv, like=v).transpose(1, 2)  # (B, H, Lq, Dv)
     lse = q.new_empty(B, H, Lq) if keep_lse else None
     ql, ol, floor = _layout(q), _layout(out), _floor(q.dtype)
@@ -510,7 +510,7 @@ class _FewKeys(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         lib, (B, H, Lq, D), n = ctx.lib, q.shape, k.shape[2]
-        q, k, v, g = _rows(q), k.contiguous(), v.contiguous(), _rows(grad)
+        g = _rows(grad)
         dq = fresh_empty(B, Lq, H, D, like=q).transpose(1, 2)  # (B, H, Lq, D)
         dk, dv = fresh_like(k, v)
         ql, gl, ol, dql, floor = _layout(q), _layout(g), _layout(out), _layout(dq), _floor(q.dtype)

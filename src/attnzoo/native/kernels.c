@@ -969,8 +969,8 @@ int lsh_order(const int64_t *buckets, int64_t rows, int64_t L, int64_t n_buckets
 /* ---- Few keys (linformer's projected keys, nystrom's landmarks): out = softmax(q K^T scale) V over
  * every one of a head's n keys, n a few hundred, for many queries. Four queries a pass: their
  * scores (4, n) in a buffer, the products by four_rows_times and four_outer (K^T and V, 128 KiB
- * a head at n = 256 and D = 64, stay in the L2 cache): the products run at the FMA units' peak, the scores'
- * softmax takes about a quarter of the forward. L = 4096, n = 256, 8 heads of 64, 2 threads:
+ * a head at n = 256 and D = 64, stay in the L2 cache): the products run at the FMA units'
+ * peak, the scores' softmax takes about a quarter of the forward. L = 4096, n = 256, 8 heads of 64, 2 threads:
  * forward 13.0 ms, training step 40.1, against SDPA's fused CPU kernel's 14.6 and 48.9 (L =
  * 16384: 50.9 and 159 against 73.8 and 219). The queries, the output and their gradients in any
  * layout of rows of contiguous values: row i of head h at (h / H) l[1] + (h % H) l[2] + i l[0]
