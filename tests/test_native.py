@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import attnzoo
 from attnzoo import _native
-from attnzoo.mechanisms._common import few_keys_attention
+from attnzoo.mechanisms._common import few_keys_attention, few_queries_attention
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.mechanisms.linear import LinearOptions, linear_flops, linear_step
 
@@ -359,6 +359,82 @@ def test_native_few_keys_gradcheck_no_keys_and_no_second_derivative():
     (dq,) = torch.autograd.grad(_native.few_keys(q, k, v, 0.5).pow(2).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):  # not a silent zero
         dq.sum().backward()
+
+
+def _few_queries_checked(q, k, v, key_mask, scale, grad, atol, rtol):
+    """few_queries_attention through the native kernel (asserted) against the plain softmax
+    (float64): without autograd the output alone, under it the output and the gradients
+    (FewQueries' backward from the kernel's log-sum-exp, where D = Dv), and the log-sum-exp
+    itself."""
+    valid = None if key_mask is None else key_mask[:, None, None, :]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = softmax_reference(q64, k64, v64, valid, scale)
+    want = (expected, *torch.autograd.grad(expected, (q64, k64, v64), grad.double()))
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_native, "few_queries", _spy(_native.few_queries, "few_queries", calls))
+        with torch.no_grad():
+            plain = few_queries_attention(q, k, v, valid, scale)
+        out = few_queries_attention(q, k, v, valid, scale)
+    assert calls == [("few_queries", True)] * (2 if q.shape[-1] == v.shape[-1] else 1)  # (else SDPA's)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)))
+    for a, b in zip((plain, *got), (expected, *want), strict=True):  # (one key: dq is 0, to rounding)
+        torch.testing.assert_close(a.double(), b, atol=atol * max(b.abs().max().item(), 1.0), rtol=rtol)
+    scores = (q64 @ k64.transpose(-1, -2) * scale).detach()
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    lse = _native.few_queries(q, k, v, key_mask, scale, keep_lse=True)[1]
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=atol * 10, rtol=rtol)
+
+
+def _few_queries_inputs(B, H, m, Lk, D, Dv, layer, masked, seed, dtype=torch.float64, scores=1.0):
+    """q (B, H, m, D) contiguous (nystrom's landmarks), k (B, H, Lk, D) and v (B, H, Lk, Dv) (with
+    ``layer``, views of (B, Lk, H, ·): a layer's split of the heads), a key mask (B, Lk) that
+    leaves the last batch entry no key (masked), and a seeded gradient of the output."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, m, D, dtype=dtype, generator=g) * scores
+    if layer:
+        k, v = (torch.randn(B, Lk, H, w, dtype=dtype, generator=g).transpose(1, 2) for w in (D, Dv))
+    else:
+        k, v = (torch.randn(B, H, Lk, w, dtype=dtype, generator=g) for w in (D, Dv))
+    key_mask = None
+    if masked:
+        key_mask = torch.rand(B, Lk, generator=g) > 0.3
+        key_mask[-1] = False
+    grad = torch.randn(B, H, m, Dv, dtype=dtype, generator=g)
+    return q.requires_grad_(), (k * scores).detach().requires_grad_(), v.requires_grad_(), key_mask, grad
+
+
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), m=st.integers(1, 23),
+       Lk=st.sampled_from([1, 5, 127, 128, 129, 300]), D=st.sampled_from([1, 3, 8, 16]),
+       Dv=st.sampled_from([1, 5, 8]), layer=st.booleans(), masked=st.booleans(), seed=st.integers(0, 99))
+def test_native_few_queries_matches_the_reference(B, H, m, Lk, D, Dv, layer, masked, seed):
+    """Few-queries attention in C (nystrom's landmark queries over the keys), forward and, under
+    autograd, gradients through FewQueries, against the plain softmax in float64: odd counts of
+    queries (past the last four), keys across the blocks of 128 (1, 127, 128, 129, 300), padded
+    keys, a batch entry with none (0, lse -inf), k and v in a layer's layout or contiguous."""
+    q, k, v, key_mask, grad = _few_queries_inputs(B, H, m, Lk, D, Dv, layer, masked, seed)
+    _few_queries_checked(q, k, v, key_mask, 0.3, grad, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype, atol, scores", [(torch.float32, 1e-4, 1.0), (torch.float64, 1e-12, 30.0)])
+def test_native_few_queries_at_the_benchmarks_widths(dtype, atol, scores):
+    """float32 (the polynomial exp; D = 64: the products' rows in registers) within float32
+    rounding of the float64 reference, 256 queries over 1000 keys, padded keys; float64 with
+    scores of several thousand: the running maximum rescales the sums block after block."""
+    q, k, v, key_mask, grad = _few_queries_inputs(2, 3, 256, 1000, 64, 64, True, True, 5, dtype, scores)
+    key_mask[-1, ::7] = True
+    rtol = 2e-4 if dtype == torch.float32 else 1e-10
+    _few_queries_checked(q, k, v, key_mask, 0.125, grad, atol=atol, rtol=rtol)
+
+
+def test_native_few_queries_without_queries_or_keys():
+    q, k, v, _, _ = _few_queries_inputs(2, 3, 4, 9, 8, 5, True, False, 0)
+    out, lse = _native.few_queries(q[:, :, :0], k, v, None, 0.5, keep_lse=True)
+    assert out.shape == (2, 3, 0, 5) and lse.shape == (2, 3, 0)
+    out, lse = _native.few_queries(q, k[:, :, :0], v[:, :, :0], None, 0.5, keep_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
 
 
 def _lsh(q, k, v, km, generator_seed, reference=False, **options):

@@ -10,20 +10,22 @@ eager torch gathers, penalty passes, softmax passes and merges around small matm
 C without gradients: each chunk's window of keys in cache, its masks made as it goes. So does
 attention of many queries over few keys (linformer's projected keys, nystrom's landmarks),
 forward and backward, four queries a pass over keys kept in cache, where SDPA's fused CPU
-kernel took ~1.1-1.4x as long.
+kernel took ~1.1-1.4x as long; and of few queries over many keys (nystrom's landmark
+queries), its forward, the keys in blocks kept in cache (SDPA's: ~1.3x as long).
 
 Each (dtype, D, Dv) gets its own build (0.2 s with gcc, the sizes compiled in, so the
 compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
 ``~/.cache/attnzoo``) under a name that hashes the source, the flags and the CPU, so a
 changed source or another machine builds afresh. Where there is no compiler, the build
 fails, or ``ATTNZOO_NATIVE=0``, the entry points (:func:`causal_linear`, :func:`linear`,
-:func:`efficient`, :func:`few_keys`, :func:`lsh`, :func:`lsh_order`, and :func:`lsh_kernels`
-for the hash) return None and the callers take their eager path: the results are the same
-either way (to rounding; the tests hold them to it). The batch entries and heads are split among torch's
-intra-op threads: where torch runs on OpenMP, linear's and efficient's kernels are built with it
-and split them in C, on the threads torch's own ops use (efficient's forward at L = 1024: 0.66
-ms a call, against 0.85-1.18 ms with a Python pool's handoff); otherwise, and for LSH's, a
-Python pool splits them (:func:`_over_heads`), ctypes letting go of the GIL while C runs.
+:func:`efficient`, :func:`few_keys`, :func:`few_queries`, :func:`lsh`, :func:`lsh_order`,
+and :func:`lsh_kernels` for the hash) return None and the callers take their eager path:
+the results are the same either way (to rounding; the tests hold them to it). The batch
+entries and heads are split among torch's intra-op threads: where torch runs on OpenMP, the
+kernels are built with it and split them in C, on the threads torch's own ops use
+(efficient's forward at L = 1024: 0.66 ms a call, against 0.85-1.18 ms with a Python pool's
+handoff); otherwise, and for LSH's, a Python pool splits them (:func:`_over_heads`), ctypes
+letting go of the GIL while C runs.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
                   "efficient_backward": [ptr] * 5 + [i64] * 4 + [ptr] * 8 + [i64] * 3 + [scalar] * 2,
                   "few_keys_forward": [ptr] * 7 + [i64] * 5 + [scalar] * 2,
                   "few_keys_backward": [ptr] * 13 + [i64] * 5 + [scalar] * 2,
+                  "few_queries_forward": [ptr] * 9 + [i64] * 5 + [scalar] * 2,
                   "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int]
                   + [scalar] * 3,
                   "lsh_buckets": [ptr] + [i64] * 4 + [ptr] + [i64] * 2,
@@ -519,6 +522,31 @@ class _FewKeys(torch.autograd.Function):
             ctypes.addressof(gl), out.data_ptr(), ctypes.addressof(ol), lse.data_ptr(), dq.data_ptr(),
             ctypes.addressof(dql), dk.data_ptr(), dv.data_ptr(), a, b - a, H, Lq, n, ctx.scale, floor)))
         return dq, dk, dv, None, None
+
+
+def few_queries(q, k, v, key_mask, scale, keep_lse):
+    """softmax(q kᵀ·scale) v over the keys ``key_mask`` (B, Lk) keeps (None: every key), for few
+    queries over many keys (nystrom's landmark queries): q (B, H, m, D), k (B, H, Lk, D), v
+    (B, H, Lk, Dv) -> (out (B, H, m, Dv), lse (B, H, m) where ``keep_lse``, else None); a query
+    with no key gets 0 (lse −inf). q, k and v in any layout whose rows are contiguous (a layer's
+    split of the heads is read in place). O(m·Lk·(D + Dv)) time, O(m·(D + Dv)) memory a head
+    beside the output. No autograd: the caller's function takes the gradients
+    (:class:`~attnzoo.mechanisms._common.FewQueries`). None where the kernels cannot run
+    (:func:`_kernels`)."""
+    lib = _kernels(q, k, v)
+    if lib is None:
+        return None
+    (B, H, m, _), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    out = q.new_empty(B, H, m, Dv)
+    lse = q.new_empty(B, H, m) if keep_lse else None
+    ok = None if key_mask is None else key_mask.to(torch.uint8).contiguous()  # (B, Lk)
+    ql, kl, vl, floor = _layout(q), _layout(k), _layout(v), _floor(q.dtype)
+    _split_heads(lib, B * H, lambda a, b: _checked(lib.few_queries_forward(
+        q.data_ptr(), ctypes.addressof(ql), k.data_ptr(), ctypes.addressof(kl), v.data_ptr(),
+        ctypes.addressof(vl), None if ok is None else ok.data_ptr(), out.data_ptr(),
+        None if lse is None else lse.data_ptr(), a, b - a, H, m, Lk, scale, floor)))
+    return out, lse
 
 
 def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, self2):

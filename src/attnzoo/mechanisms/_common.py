@@ -58,15 +58,25 @@ def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
 def scaled(q: torch.Tensor, scale: float) -> torch.Tensor:
     """q·scale, or q itself for scale 1 (callers that share q scale it once and pass 1); without
     autograd, contiguous, in huge pages where it is large (:func:`~attnzoo._pages.fresh_empty`)."""
-    return q if scale == 1.0 else _product(q, scale)
+    return q if scale == 1.0 else fresh_product(q, scale)
 
 
-def _product(a: torch.Tensor, b) -> torch.Tensor:
+def fresh_product(a: torch.Tensor, b) -> torch.Tensor:
     """a·b, b a number or broadcasting to a's shape: under autograd as torch makes it; without,
     contiguous, into :func:`~attnzoo._pages.fresh_empty` memory (huge pages where it is large)."""
     if needs_grad(a, *([b] if isinstance(b, torch.Tensor) else [])):
         return a * b
     return torch.mul(a, b, out=fresh_empty(*a.shape, like=a))
+
+
+def fresh_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for a (..., n, k) and b (..., k, p) of the same batch shape: under autograd as torch
+    makes it; without, into :func:`~attnzoo._pages.fresh_empty` memory, from blocks kept
+    already faulted in where it is a MiB or more. nystrom's pseudo-inverse, 22 products of 2 MiB
+    a forward (m = 256, 8 heads), took ~2k page faults a forward from glibc's heap."""
+    if needs_grad(a, b):
+        return a @ b
+    return torch.matmul(a, b, out=fresh_empty(*a.shape[:-1], b.shape[-1], like=a))
 
 
 def finite_or_zero(t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +148,8 @@ KEY_BLOCK = 512  # keys per block of FewQueries' backward: (B, H, m, 512) produc
 
 class FewQueries(torch.autograd.Function):
     """softmax(Q Kᵀ·s) V for m queries over Lk >> m keys, over the keys ``valid`` (B, H, m, Lk)
-    bool allows (None: every key): :func:`fused_partial`'s forward, which returns the
+    or (B, 1, 1, Lk) bool allows (None: every key): the native kernel's forward where it runs
+    (:func:`_few_queries_native`), else :func:`fused_partial`'s, each returning the
     log-sum-exp too, and a backward over blocks of KEY_BLOCK keys, each block's
     P = exp(s Q K_bᵀ − lse) recomputed (0 where not valid): dV_b = Pᵀ g,
     dS = P ⊙ (g V_bᵀ − Σ_v g ⊙ O), dQ += s dS K_b, dK_b = s dSᵀ Q. dK and dV are written
@@ -154,7 +165,8 @@ class FewQueries(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, valid, scale):
-        return fused_partial(q, k, v, valid, scale)  # (B, H, m, Dv), (B, H, m)
+        native = _few_queries_native(q, k, v, valid, scale, keep_lse=True)
+        return fused_partial(q, k, v, valid, scale) if native is None else native  # (B, H, m, Dv), (B, H, m)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # (apart from forward: torch.func's transforms need it)
@@ -189,13 +201,30 @@ class FewQueries(torch.autograd.Function):
 
 def few_queries_attention(q, k, v, valid, scale):
     """softmax(q kᵀ·scale) v (B, H, m, Dv) for m queries over Lk >> m keys, over the keys ``valid``
-    allows (bool, broadcastable to (B, H, m, Lk); None: every key). Under autograd, where the
-    fused kernel fits and ``valid`` is None or whole (B, H, m, Lk), :class:`FewQueries` (the
-    same forward, a backward by key blocks); otherwise SDPA."""
-    whole = valid is None or valid.shape == (*q.shape[:3], k.shape[2])
-    if whole and needs_grad(q, k, v) and fused_kernel_fits(q, k, v):
-        return FewQueries.apply(q, k, v, valid, scale)[0]
+    allows (bool, broadcastable to (B, H, m, Lk); None: every key). Without autograd, by the
+    native kernel where it runs and ``valid`` is one mask of keys a batch entry
+    (:func:`_few_queries_native`). Under autograd, where the fused kernel fits and ``valid`` is
+    None, one mask of keys a batch entry or whole (B, H, m, Lk), :class:`FewQueries` (the native
+    or the fused forward, a backward by key blocks). Otherwise SDPA."""
+    B, H, m, _ = q.shape
+    if not needs_grad(q, k, v):
+        native = _few_queries_native(q, k, v, valid, scale, keep_lse=False)
+        if native is not None:
+            return native[0]
+    elif valid is None or valid.shape in ((B, 1, 1, k.shape[2]), (B, H, m, k.shape[2])):
+        if fused_kernel_fits(q, k, v):
+            return FewQueries.apply(q, k, v, valid, scale)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scale)
+
+
+def _few_queries_native(q, k, v, valid, scale, keep_lse):
+    """(out, lse or None) of :func:`attnzoo._native.few_queries` where it runs and ``valid`` is None
+    or one mask of keys a batch entry, (B, 1, 1, Lk); else None."""
+    from attnzoo import _native  # (here, not above: _native imports this module)
+
+    if valid is not None and valid.shape != (q.shape[0], 1, 1, k.shape[2]):
+        return None
+    return _native.few_queries(q, k, v, None if valid is None else valid[:, 0, 0], scale, keep_lse)
 
 
 WHOLE_BYTES_MAX = 32 * 2**20  # few_keys_attention's outputs from this size on go in pieces (FewKeys)
@@ -329,7 +358,7 @@ def merge_partials(parts):
     out = None
     for o, part_lse in parts:
         w = torch.exp(part_lse - safe_lse).unsqueeze(-1)  # (B, H, Lq, 1)
-        out = _product(o, w) if out is None else out.addcmul_(o, w)  # one new (B, H, Lq, Dv) tensor in all
+        out = fresh_product(o, w) if out is None else out.addcmul_(o, w)  # one (B, H, Lq, Dv) tensor in all
     return out, lse
 
 

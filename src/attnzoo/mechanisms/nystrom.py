@@ -8,7 +8,13 @@ import torch
 
 from attnzoo._pages import fresh_empty
 from attnzoo.masks import zero_empty_rows
-from attnzoo.mechanisms._common import few_keys_attention, few_queries_attention, softmax_scale
+from attnzoo.mechanisms._common import (
+    few_keys_attention,
+    few_queries_attention,
+    fresh_matmul,
+    fresh_product,
+    softmax_scale,
+)
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -80,9 +86,9 @@ def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
     """
     abs_a = a.abs()
     norm = abs_a.sum(-1).amax(-1) * abs_a.sum(-2).amax(-1)  # (...,)
-    z = a.transpose(-1, -2) / norm[..., None, None]
+    z = fresh_product(a.transpose(-1, -2), 1 / norm[..., None, None])
     for _ in range(iterations):
-        z = z @ _pinv_step(a @ z)
+        z = fresh_matmul(z, _pinv_step(fresh_matmul(a, z)))
     return z
 
 
@@ -92,7 +98,7 @@ def pinv_times(a: torch.Tensor, b: torch.Tensor, iterations: int) -> torch.Tenso
     products in place of two (m × m) and the (m × m) @ (m × n) after it. The same iteration
     (each step's P = AZ is recomputed from A), grouped differently."""
     z = iterative_pinv(a, iterations - 1)
-    p = a @ z
+    p = fresh_matmul(a, z)
     x = 7.0 * b - p @ b  # (7I − P) b
     x = 15.0 * b - p @ x  # (15I − P(7I − P)) b
     return z @ (13.0 * b - p @ x).mul_(0.25)  # Z ¼(13I − P(15I − P(7I − P))) b
@@ -100,9 +106,9 @@ def pinv_times(a: torch.Tensor, b: torch.Tensor, iterations: int) -> torch.Tenso
 
 def _pinv_step(p):
     """The bracket of one step from P = AZ: ¼(13I − P(15I − P(7I − P)))."""
-    x = _add_eye(p * -0.25, 7 / 4)  # ¼(7I − P)
-    x = _add_eye(p @ x, -15 / 4)  # −¼(15I − P(7I − P))
-    return _add_eye(p @ x, 13 / 4)  # ¼(13I − P(15I − P(7I − P)))
+    x = _add_eye(fresh_product(p, -0.25), 7 / 4)  # ¼(7I − P)
+    x = _add_eye(fresh_matmul(p, x), -15 / 4)  # −¼(15I − P(7I − P))
+    return _add_eye(fresh_matmul(p, x), 13 / 4)  # ¼(13I − P(15I − P(7I − P)))
 
 
 def _add_eye(t: torch.Tensor, c: float) -> torch.Tensor:
@@ -122,10 +128,11 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
     """softmax(Q K̃ᵀ) pinv(softmax(Q̃ K̃ᵀ)) softmax(Q̃ Kᵀ) V, Q̃ and K̃ the landmark (segment) means.
 
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
-    Cost O(L·m·D + m³) time, O(L·m) memory at most: the two outer kernels run as
-    SDPA (landmark queries over the keys, :func:`few_queries_attention`) and in C where
-    it builds (queries over the landmark keys, :func:`few_keys_attention`), never an
-    L×L matrix. Padded keys
+    Cost O(L·m·D + m³) time, O(L·m) memory at most: the two outer kernels run in C
+    where it builds (the landmark queries over the keys, :func:`few_queries_attention`;
+    the queries over the landmark keys, :func:`few_keys_attention`), else as SDPA, never
+    an L×L matrix; without autograd the pseudo-inverse's products go into kept memory
+    (:func:`fresh_matmul`). Padded keys
     take no part (in the landmarks or the softmax). With m >= L the landmarks are Q
     and K and the result is full attention up to the pseudo-inverse's convergence.
     Non-causal. Xiong et al., AAAI 2021.
