@@ -114,7 +114,9 @@ def test_few_queries_backward_matches_the_reference(monkeypatch, masked):
     """FewQueries' key-blocked backward against the plain softmax's in float64: keys over several
     blocks and a partial last one, k and v laid out as a layer's (views of (B, L, H, ·)), their
     gradients laid out (B, L, H, ·) too; masked: a random mask with a query that sees no key
-    (0 and no gradient); gradcheck with blocks of 4 keys."""
+    (0 and no gradient); gradcheck with blocks of 4 keys. With the native kernels off (their
+    tests: test_native.py), which otherwise take the unmasked forward and backward."""
+    monkeypatch.setenv("ATTNZOO_NATIVE", "0")
     monkeypatch.setattr(_common, "KEY_BLOCK", 64)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g).requires_grad_()

@@ -362,10 +362,9 @@ def test_native_few_keys_gradcheck_no_keys_and_no_second_derivative():
 
 
 def _few_queries_checked(q, k, v, key_mask, scale, grad, atol, rtol):
-    """few_queries_attention through the native kernel (asserted) against the plain softmax
+    """few_queries_attention through the native kernels (asserted) against the plain softmax
     (float64): without autograd the output alone, under it the output and the gradients
-    (FewQueries' backward from the kernel's log-sum-exp, where D = Dv), and the log-sum-exp
-    itself."""
+    (FewQueries, where D = Dv: the native forward and backward), and the log-sum-exp itself."""
     valid = None if key_mask is None else key_mask[:, None, None, :]
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     expected = softmax_reference(q64, k64, v64, valid, scale)
@@ -373,11 +372,16 @@ def _few_queries_checked(q, k, v, key_mask, scale, grad, atol, rtol):
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_native, "few_queries", _spy(_native.few_queries, "few_queries", calls))
+        mp.setattr(_native, "few_queries_grad", _spy(_native.few_queries_grad, "few_queries_grad", calls))
         with torch.no_grad():
             plain = few_queries_attention(q, k, v, valid, scale)
         out = few_queries_attention(q, k, v, valid, scale)
-    assert calls == [("few_queries", True)] * (2 if q.shape[-1] == v.shape[-1] else 1)  # (else SDPA's)
-    got = (out, *torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)))
+        got = (out, *torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)))
+    fused = q.shape[-1] == v.shape[-1]  # (FewQueries' condition: else SDPA's forward and backward)
+    assert calls == [("few_queries", True)] + [("few_queries", True), ("few_queries_grad", True)] * fused
+    for t, dt in zip((k, v) if fused else (), got[2:] if fused else (), strict=True):  # laid out as k, v
+        assert (dt.is_contiguous(), dt.transpose(1, 2).is_contiguous()) == (
+            t.is_contiguous(), t.transpose(1, 2).is_contiguous())
     for a, b in zip((plain, *got), (expected, *want), strict=True):  # (one key: dq is 0, to rounding)
         torch.testing.assert_close(a.double(), b, atol=atol * max(b.abs().max().item(), 1.0), rtol=rtol)
     scores = (q64 @ k64.transpose(-1, -2) * scale).detach()
@@ -427,6 +431,13 @@ def test_native_few_queries_at_the_benchmarks_widths(dtype, atol, scores):
     key_mask[-1, ::7] = True
     rtol = 2e-4 if dtype == torch.float32 else 1e-10
     _few_queries_checked(q, k, v, key_mask, 0.125, grad, atol=atol, rtol=rtol)
+
+
+def test_native_few_queries_gradcheck():
+    """The native forward and backward under FewQueries, masked (a batch entry without keys)."""
+    q, k, v, key_mask, _ = _few_queries_inputs(2, 2, 5, 9, 3, 3, True, True, 2)
+    valid = key_mask[:, None, None, :]
+    assert torch.autograd.gradcheck(lambda *t: few_queries_attention(*t, valid, 0.5), (q, k, v))
 
 
 def test_native_few_queries_without_queries_or_keys():

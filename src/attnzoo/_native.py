@@ -120,6 +120,7 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
                   "few_keys_forward": [ptr] * 7 + [i64] * 5 + [scalar] * 2,
                   "few_keys_backward": [ptr] * 13 + [i64] * 5 + [scalar] * 2,
                   "few_queries_forward": [ptr] * 9 + [i64] * 5 + [scalar] * 2,
+                  "few_queries_backward": [ptr] * 17 + [i64] * 5 + [scalar] * 2,
                   "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int]
                   + [scalar] * 3,
                   "lsh_buckets": [ptr] + [i64] * 4 + [ptr] + [i64] * 2,
@@ -547,6 +548,28 @@ def few_queries(q, k, v, key_mask, scale, keep_lse):
         ctypes.addressof(vl), None if ok is None else ok.data_ptr(), out.data_ptr(),
         None if lse is None else lse.data_ptr(), a, b - a, H, m, Lk, scale, floor)))
     return out, lse
+
+
+def few_queries_grad(q, k, v, key_mask, scale, g, out, lse):
+    """The gradients (dq, dk, dv) of :func:`few_queries`' output from its gradient g (B, H, m, Dv),
+    its output and its log-sum-exp: dq laid out as q, dk and dv as k and v (dense, in the same
+    order of dimensions; 0 for a padded key). O(m·Lk·(D + Dv)) time, O(m·(D + Dv)) memory a
+    head beside them. None where the kernels cannot run (:func:`_kernels`)."""
+    lib = _kernels(q, k, v)
+    if lib is None:
+        return None
+    (B, H, m, _), Lk = q.shape, k.shape[2]
+    q, k, v, g, out, lse = _rows(q), _rows(k), _rows(v), _rows(g), out.contiguous(), lse.contiguous()
+    dq, dk, dv = (fresh_empty(*t.shape, like=t, stride=torch.empty_like(t, device="meta").stride())
+                  for t in (q, k, v))
+    ok = None if key_mask is None else key_mask.to(torch.uint8).contiguous()  # (B, Lk)
+    layouts = [_layout(t) for t in (q, k, v, g, dq, dk, dv)]
+    ql, kl, vl, gl, dql, dkl, dvl = (ctypes.addressof(lay) for lay in layouts)
+    _split_heads(lib, B * H, lambda a, b: _checked(lib.few_queries_backward(
+        q.data_ptr(), ql, k.data_ptr(), kl, v.data_ptr(), vl, None if ok is None else ok.data_ptr(),
+        g.data_ptr(), gl, out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dql, dk.data_ptr(), dkl,
+        dv.data_ptr(), dvl, a, b - a, H, m, Lk, scale, _floor(q.dtype))))
+    return dq, dk, dv
 
 
 def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, self2):

@@ -1154,26 +1154,39 @@ int few_keys_backward(const REAL *q, const int64_t *ql, const REAL *k, const REA
  * prefetched as the passes go (the gather waited on memory for ~20 % of the time without).
  * Padded keys are skipped as the blocks are gathered: no mask in the inner loops. A query with
  * no key gets 0 (lse -inf). Work 2 m Lk (DK + DV) multiply-adds, the least; memory
- * O(m (DK + DV)) a head beside the output. 256 queries over 4096 keys, 8 heads of 64, 2
- * threads: 12.2 ms in nystrom's layer against SDPA's fused CPU kernel's 16.2 (blocks of 256
- * keys, 512: ~1 ms slower). */
+ * O(m (DK + DV)) a head beside the output. The backward likewise, block by block: each block's
+ * dK and dV summed over the queries in the cache, then written once. 256 queries over 4096
+ * keys, 8 heads of 64, 2 threads: forward 12.2 ms in nystrom's layer against SDPA's fused CPU
+ * kernel's 16.2 (blocks of 256 keys, 512: ~1 ms slower); backward 28.4 ms against 43.5 for
+ * FewQueries' torch blocks (16384 keys: 49.4 and 86.0 ms forward). */
 #define FEW_QUERIES_KEYS 128
 
-/* The next block of at most FEW_QUERIES_KEYS kept keys from *j (rows of K and V k_row and v_row
- * apart): K^T into Kt (DK, kb) and V into Vb (kb, DV), *j moved past them. Returns kb (0: none
- * left). */
-static int64_t gather_keys(const REAL *K, int64_t k_row, const REAL *V, int64_t v_row, const uint8_t *ok,
-                           int64_t *j, int64_t Lk, int64_t *idx, REAL *restrict Kt, REAL *restrict Vb) {
+/* The next block of at most FEW_QUERIES_KEYS kept keys from *j into idx, *j moved past them.
+ * Returns their number kb (0: none left). */
+static int64_t next_keys(const uint8_t *ok, int64_t *j, int64_t Lk, int64_t *idx) {
     int64_t kb = 0;
     for (; *j < Lk && kb < FEW_QUERIES_KEYS; ++*j)
         if (!ok || ok[*j]) idx[kb++] = *j;
-    for (int64_t c0 = 0; c0 < kb; c0 += 16) { /* (16 keys at a time: each row of Kt written by vectors) */
-        const int64_t c1 = c0 + 16 < kb ? c0 + 16 : kb;
-        for (int d = 0; d < DK; d++)
-            for (int64_t c = c0; c < c1; c++) Kt[d * kb + c] = K[idx[c] * k_row + d];
-    }
-    for (int64_t c = 0; c < kb; c++) memcpy(Vb + c * DV, V + idx[c] * v_row, sizeof(REAL) * DV);
     return kb;
+}
+
+/* Rows idx[0..kb) of X (width values each, ``row`` apart) as the columns of Xt (width, kb). */
+static void columns_of(const REAL *X, int64_t row, const int64_t *idx, int64_t kb, int width, REAL *restrict Xt) {
+    for (int64_t c0 = 0; c0 < kb; c0 += 16) { /* (16 keys at a time: each row of Xt written by vectors) */
+        const int64_t c1 = c0 + 16 < kb ? c0 + 16 : kb;
+        for (int d = 0; d < width; d++)
+            for (int64_t c = c0; c < c1; c++) Xt[d * kb + c] = X[idx[c] * row + d];
+    }
+}
+
+/* Rows idx[0..kb) of X (width values each, ``row`` apart) into Xb (kb, width). */
+static void rows_of(const REAL *X, int64_t row, const int64_t *idx, int64_t kb, int width, REAL *restrict Xb) {
+    for (int64_t c = 0; c < kb; c++) memcpy(Xb + c * width, X + idx[c] * row, sizeof(REAL) * width);
+}
+
+/* The rows of Xb (kb, width) into rows idx[0..kb) of X (``row`` apart). */
+static void rows_to(REAL *X, int64_t row, const int64_t *idx, int64_t kb, int width, const REAL *restrict Xb) {
+    for (int64_t c = 0; c < kb; c++) memcpy(X + idx[c] * row, Xb + c * width, sizeof(REAL) * width);
 }
 
 /* Four queries' running softmax (rows of p: their scores against kb keys) moved on by a block:
@@ -1213,7 +1226,9 @@ static void few_queries_head(const REAL *Q, int64_t q_row, const REAL *K, int64_
     for (int64_t i = 0; i < m4; i++) top[i] = -INFINITY;
     const int64_t quads = m4 > 0 ? m4 / 4 : 1, ahead = (FEW_QUERIES_KEYS + quads - 1) / quads; /* a pass's prefetches */
     int64_t kb;
-    for (int64_t j = 0; (kb = gather_keys(K, k_row, V, v_row, ok, &j, Lk, idx, Kt, Vb)) > 0;)
+    for (int64_t j = 0; (kb = next_keys(ok, &j, Lk, idx)) > 0;) {
+        columns_of(K, k_row, idx, kb, DK, Kt);
+        rows_of(V, v_row, idx, kb, DV, Vb);
         for (int64_t i = 0; i < m4; i += 4) {
             for (int64_t a = j + i / 4 * ahead; a < j + (i / 4 + 1) * ahead && a < Lk; a++)
                 prefetch_row(K + a * k_row, V + a * v_row); /* the next block's, on the way */
@@ -1221,6 +1236,7 @@ static void few_queries_head(const REAL *Q, int64_t q_row, const REAL *K, int64_
             four_running(p, kb, acc + i * DV, sum + i, top + i, floor_);
             four_rows_times(p, (int)kb, (int)kb, Vb, DV, DV, acc + i * DV, DV, 1);
         }
+    }
     for (int64_t i = 0; i < m; i++) {
         const REAL inv = sum[i] > 0 ? 1 / sum[i] : 0; /* (no key: 0) */
         for (int e = 0; e < DV; e++) O[i * DV + e] = acc[i * DV + e] * inv;
@@ -1248,6 +1264,92 @@ int few_queries_forward(const REAL *q, const int64_t *ql, const REAL *k, const i
             few_queries_head(AT(q, ql, h, H), ql[0], AT(k, kl, h, H), kl[0], AT(v, vl, h, H), vl[0],
                              key_ok ? key_ok + h / H * Lk : 0, out + h * m * DV, lse ? lse + h * m : 0, buf, m,
                              Lk, scale, floor_);
+        else
+            status = -1;
+        free(buf);
+    }
+    return status;
+}
+
+/* One head's gradients from g (the output's, rows g_row apart), the output O (m, DV, contiguous)
+ * and lse: dQ (rows dq_row apart), dK and dV (rows dk_row and dv_row apart; 0 for a padded key),
+ * written. Key block by key block, as the forward: P = exp(S - lse), dS = P * (g V^T - g . o),
+ * dQ += dS K scale, the block's dK = dS^T Q scale and dV = P^T g summed over the queries in the
+ * cache, then written to their rows. buf: room for few_queries_grad_room(m) values. */
+static void few_queries_grad_head(const REAL *Q, int64_t q_row, const REAL *K, int64_t k_row, const REAL *V,
+                                  int64_t v_row, const uint8_t *ok, const REAL *G, int64_t g_row, const REAL *O,
+                                  const REAL *lse, REAL *DQ, int64_t dq_row, REAL *DK_, int64_t dk_row, REAL *DV_,
+                                  int64_t dv_row, REAL *buf, int64_t m, int64_t Lk, REAL scale, int stream,
+                                  REAL floor_) {
+    const int64_t m4 = (m + 3) / 4 * 4, n = FEW_QUERIES_KEYS;
+    REAL *Qs = buf, *Gc = Qs + m4 * DK, *dq = Gc + m4 * DV, *delta = dq + m4 * DK, *Kt = delta + m4,
+         *Kb = Kt + DK * n, *Vt = Kb + n * DK, *dKb = Vt + DV * n, *dVb = dKb + n * DK, *p = dVb + n * DV,
+         *ds = p + 4 * n;
+    int64_t *idx = (int64_t *)(ds + 4 * n);
+    for (int64_t i = 0; i < m4; i += 4) {
+        four_rows_copy(Q, i, m, q_row, DK, scale, Qs + i * DK);
+        four_rows_copy(G, i, m, g_row, DV, 1, Gc + i * DV);
+    }
+    for (int64_t i = 0; i < m4; i++) delta[i] = i < m ? dot_n(Gc + i * DV, O + i * DV, DV, 0) : 0;
+    memset(dq, 0, sizeof(REAL) * m4 * DK);
+    if (ok)
+        for (int64_t j = 0; j < Lk; j++)
+            if (!ok[j]) {
+                memset(DK_ + j * dk_row, 0, sizeof(REAL) * DK);
+                memset(DV_ + j * dv_row, 0, sizeof(REAL) * DV);
+            }
+    int64_t kb;
+    for (int64_t j = 0; (kb = next_keys(ok, &j, Lk, idx)) > 0;) {
+        columns_of(K, k_row, idx, kb, DK, Kt);
+        rows_of(K, k_row, idx, kb, DK, Kb);
+        columns_of(V, v_row, idx, kb, DV, Vt);
+        memset(dKb, 0, sizeof(REAL) * kb * DK);
+        memset(dVb, 0, sizeof(REAL) * kb * DV);
+        for (int64_t i = 0; i < m4; i += 4) {
+            four_rows_by_columns(Qs + i * DK, DK, Kt, kb, p);  /* the scores, as the forward's */
+            four_rows_by_columns(Gc + i * DV, DV, Vt, kb, ds); /* dP = g V^T */
+            for (int r = 0; r < 4; r++) {
+                const REAL l = i + r < m ? lse[i + r] : 0; /* (a row past m: g 0, so dS 0) */
+                REAL *pr = p + r * kb, *dsr = ds + r * kb;
+                for (int64_t c = 0; c < kb; c++) {
+                    pr[c] = exp_nonpositive(pr[c] - l, floor_);
+                    dsr[c] = pr[c] * (dsr[c] - delta[i + r]);
+                }
+            }
+            four_rows_times(ds, (int)kb, (int)kb, Kb, DK, DK, dq + i * DK, DK, 1);
+            four_outer(dVb, (int)kb, DV, p, (int)kb, Gc + i * DV, DV);
+            four_outer(dKb, (int)kb, DK, ds, (int)kb, Qs + i * DK, DK); /* (Qs: the queries times scale) */
+        }
+        rows_to(DK_, dk_row, idx, kb, DK, dKb);
+        rows_to(DV_, dv_row, idx, kb, DV, dVb);
+    }
+    for (int64_t i = 0; i < m; i++) put_row(DQ + i * dq_row, dq + i * DK, scale, DK, stream);
+    streams_done();
+}
+
+/* few_queries_grad_head's buffer, in values (REAL, the keys' indices as two of them at most). */
+static size_t few_queries_grad_room(int64_t m) {
+    const int64_t m4 = (m + 3) / 4 * 4;
+    return m4 * (2 * DK + DV + 1) + (int64_t)FEW_QUERIES_KEYS * (3 * DK + 2 * DV + 8 + 2);
+}
+
+/* Backward of few_queries_forward from g (layout gl), its out and lse: dq (layout dql), dk (dkl)
+ * and dv (dvl) written. Returns 0, or -1 without memory for a head's buffer. */
+int few_queries_backward(const REAL *q, const int64_t *ql, const REAL *k, const int64_t *kl, const REAL *v,
+                         const int64_t *vl, const uint8_t *key_ok, const REAL *g, const int64_t *gl, const REAL *out,
+                         const REAL *lse, REAL *dq, const int64_t *dql, REAL *dk, const int64_t *dkl, REAL *dv,
+                         const int64_t *dvl, int64_t first, int64_t count, int64_t H, int64_t m, int64_t Lk,
+                         REAL scale, REAL floor_) {
+    const int stream = can_stream_rows(dq, DK, dql);
+    int status = 0;
+    OVER_HEADS_STATUS
+    for (int64_t h = first; h < first + count; h++) {
+        REAL *buf = lines_alloc(few_queries_grad_room(m), sizeof(REAL));
+        if (buf)
+            few_queries_grad_head(AT(q, ql, h, H), ql[0], AT(k, kl, h, H), kl[0], AT(v, vl, h, H), vl[0],
+                                  key_ok ? key_ok + h / H * Lk : 0, AT(g, gl, h, H), gl[0], out + h * m * DV,
+                                  lse + h * m, AT(dq, dql, h, H), dql[0], AT(dk, dkl, h, H), dkl[0],
+                                  AT(dv, dvl, h, H), dvl[0], buf, m, Lk, scale, stream, floor_);
         else
             status = -1;
         free(buf);
