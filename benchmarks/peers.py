@@ -835,8 +835,8 @@ NYSTROM_WORK = (  # {what}: a forward or a training step, with its own counts of
     "nearly all of this {what} is work both sides do, at the rate of torch's kernels: the layer's "
     "four projections ({gemms} GEMMs of (L × 512) by (512 × 512)), the pseudo-inverse's six "
     "iterations ({products} products of (256 × 256) matrices a head) and the two landmark kernels "
-    "(the landmarks' queries over the keys in SDPA's fused CPU kernel, the queries over the "
-    "landmarks in C at the FMA units' peak), about a third each. The groupings of the iteration with fewer "
+    "(the landmarks' queries over the keys and the queries over the landmarks, both in C near "
+    "the FMA units' peak), about a third each. The groupings of the iteration with fewer "
     "products (P = AZ carried from step to step; the spectrum of AAᵀ through eigh) were measured: "
     "in float32 they lose 30–60× the iteration's accuracy, in float64 their eigh costs what they "
     "save (closing notes of issue 8).")
@@ -850,6 +850,11 @@ MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, wh
         "the scores and values of 256 keys a query (ours in C at the FMA units' peak). Ours runs "
         "within ~1.1× of its floor (table below); a peer's step within ~2.2× of it cannot be "
         "halved short of ~1.1×, beyond what SDPA's own step reaches."),
+    ("block_local", "fwdbwd_s"): (
+        "not a change of ours: the same code's step took 166 ms (0.45) in the run before, and 167-200 "
+        "ms in separate processes of one session, with the same page faults (50-550 a step) and "
+        "kernel time (~3 ms a step) in fast and slow ones: this machine's speed from process to "
+        "process (closing notes of issue 8)."),
     ("efficient", "fwd_s"): (
         "ours is two (L × 64) by (64 × 64) products a head and the exponentials of q and k, in C "
         "(native/kernels.c); the peer's are torch's softmax and BLAS. Timed alone on the AMD EPYC "
