@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnzoo._pages import fresh_empty, fresh_like
+from attnzoo._pages import fresh_as, fresh_empty, fresh_like
 from attnzoo.mechanisms._common import needs_grad
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
@@ -560,8 +560,7 @@ def few_queries_grad(q, k, v, key_mask, scale, g, out, lse):
         return None
     (B, H, m, _), Lk = q.shape, k.shape[2]
     q, k, v, g, out, lse = _rows(q), _rows(k), _rows(v), _rows(g), out.contiguous(), lse.contiguous()
-    dq, dk, dv = (fresh_empty(*t.shape, like=t, stride=torch.empty_like(t, device="meta").stride())
-                  for t in (q, k, v))
+    dq, dk, dv = (fresh_as(t) for t in (q, k, v))
     ok = None if key_mask is None else key_mask.to(torch.uint8).contiguous()  # (B, Lk)
     layouts = [_layout(t) for t in (q, k, v, g, dq, dk, dv)]
     ql, kl, vl, gl, dql, dkl, dvl = (ctypes.addressof(lay) for lay in layouts)

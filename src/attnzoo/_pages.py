@@ -165,6 +165,12 @@ def fresh_empty(*shape: int, like: torch.Tensor, stride: tuple[int, ...] | None 
     return flat.view(shape) if stride is None else flat.as_strided(shape, stride)
 
 
+def fresh_as(t: torch.Tensor) -> torch.Tensor:
+    """A :func:`fresh_empty` tensor of t's shape, dtype and device, dense, its dimensions in
+    memory in t's order (``torch.empty_like``'s strides): a gradient laid out as its input."""
+    return fresh_empty(*t.shape, like=t, stride=torch.empty_like(t, device="meta").stride())
+
+
 def fresh_like(*tensors: torch.Tensor, zero: bool = False) -> tuple[torch.Tensor, ...]:
     """A :func:`fresh_empty` tensor of each of ``tensors``' shape, dtype and device (contiguous),
     zero-filled with ``zero``: gradients about to be written whole, or added into."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from attnzoo._pages import Scratch, fresh_empty, fresh_like
+from attnzoo._pages import Scratch, fresh_as, fresh_empty, fresh_like
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -186,8 +186,7 @@ class FewQueries(torch.autograd.Function):
         qs = q * ctx.scale  # (B, H, m, D)
         row = torch.linalg.vecdot(g, out).unsqueeze(-1)  # (B, H, m, 1)
         dq = torch.zeros_like(q)
-        dk, dv = (fresh_empty(*t.shape, like=t, stride=torch.empty_like(t, device="meta").stride())
-                  for t in (k, v))
+        dk, dv = fresh_as(k), fresh_as(v)
         scratch = Scratch(q)
         for j in range(0, k.shape[2], KEY_BLOCK):
             keys = slice(j, j + KEY_BLOCK)
