@@ -11,7 +11,8 @@ C without gradients: each chunk's window of keys in cache, its masks made as it 
 attention of many queries over few keys (linformer's projected keys, nystrom's landmarks),
 forward and backward, four queries a pass over keys kept in cache, where SDPA's fused CPU
 kernel took ~1.1-1.4x as long; and of few queries over many keys (nystrom's landmark
-queries), its forward, the keys in blocks kept in cache (SDPA's: ~1.3x as long).
+queries), forward and backward, the keys in blocks kept in cache (SDPA's forward: ~1.3x as
+long).
 
 Each (dtype, D, Dv) gets its own build (0.2 s with gcc, the sizes compiled in, so the
 compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
@@ -541,7 +542,7 @@ def few_queries(q, k, v, key_mask, scale, keep_lse):
     q, k, v = _rows(q), _rows(k), _rows(v)
     out = q.new_empty(B, H, m, Dv)
     lse = q.new_empty(B, H, m) if keep_lse else None
-    ok = None if key_mask is None else key_mask.to(torch.uint8).contiguous()  # (B, Lk)
+    ok = _key_ok(key_mask, B, H, Lk)
     ql, kl, vl, floor = _layout(q), _layout(k), _layout(v), _floor(q.dtype)
     _split_heads(lib, B * H, lambda a, b: _checked(lib.few_queries_forward(
         q.data_ptr(), ctypes.addressof(ql), k.data_ptr(), ctypes.addressof(kl), v.data_ptr(),
@@ -561,13 +562,13 @@ def few_queries_grad(q, k, v, key_mask, scale, g, out, lse):
     (B, H, m, _), Lk = q.shape, k.shape[2]
     q, k, v, g, out, lse = _rows(q), _rows(k), _rows(v), _rows(g), out.contiguous(), lse.contiguous()
     dq, dk, dv = (fresh_as(t) for t in (q, k, v))
-    ok = None if key_mask is None else key_mask.to(torch.uint8).contiguous()  # (B, Lk)
+    ok, floor = _key_ok(key_mask, B, H, Lk), _floor(q.dtype)
     layouts = [_layout(t) for t in (q, k, v, g, dq, dk, dv)]
     ql, kl, vl, gl, dql, dkl, dvl = (ctypes.addressof(lay) for lay in layouts)
     _split_heads(lib, B * H, lambda a, b: _checked(lib.few_queries_backward(
         q.data_ptr(), ql, k.data_ptr(), kl, v.data_ptr(), vl, None if ok is None else ok.data_ptr(),
         g.data_ptr(), gl, out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dql, dk.data_ptr(), dkl,
-        dv.data_ptr(), dvl, a, b - a, H, m, Lk, scale, _floor(q.dtype))))
+        dv.data_ptr(), dvl, a, b - a, H, m, Lk, scale, floor)))
     return dq, dk, dv
 
 

@@ -1251,7 +1251,7 @@ static size_t few_queries_room(int64_t m) {
 }
 
 /* Forward, heads first .. first + count - 1 (H of them a batch entry): q (layout ql), k (kl), v
- * (vl), key_ok (Lk bytes a batch entry; null: every key); out (m, DV) and, where not null, lse
+ * (vl), key_ok (Lk bytes a head, as the other kernels'; null: every key); out (m, DV) and, where not null, lse
  * (m) a head, contiguous, written. Returns 0, or -1 without memory for a head's buffer. */
 int few_queries_forward(const REAL *q, const int64_t *ql, const REAL *k, const int64_t *kl, const REAL *v,
                         const int64_t *vl, const uint8_t *key_ok, REAL *out, REAL *lse, int64_t first,
@@ -1262,7 +1262,7 @@ int few_queries_forward(const REAL *q, const int64_t *ql, const REAL *k, const i
         REAL *buf = lines_alloc(few_queries_room(m), sizeof(REAL));
         if (buf)
             few_queries_head(AT(q, ql, h, H), ql[0], AT(k, kl, h, H), kl[0], AT(v, vl, h, H), vl[0],
-                             key_ok ? key_ok + h / H * Lk : 0, out + h * m * DV, lse ? lse + h * m : 0, buf, m,
+                             key_ok ? key_ok + h * Lk : 0, out + h * m * DV, lse ? lse + h * m : 0, buf, m,
                              Lk, scale, floor_);
         else
             status = -1;
@@ -1347,7 +1347,7 @@ int few_queries_backward(const REAL *q, const int64_t *ql, const REAL *k, const 
         REAL *buf = lines_alloc(few_queries_grad_room(m), sizeof(REAL));
         if (buf)
             few_queries_grad_head(AT(q, ql, h, H), ql[0], AT(k, kl, h, H), kl[0], AT(v, vl, h, H), vl[0],
-                                  key_ok ? key_ok + h / H * Lk : 0, AT(g, gl, h, H), gl[0], out + h * m * DV,
+                                  key_ok ? key_ok + h * Lk : 0, AT(g, gl, h, H), gl[0], out + h * m * DV,
                                   lse + h * m, AT(dq, dql, h, H), dql[0], AT(dk, dkl, h, H), dkl[0],
                                   AT(dv, dvl, h, H), dvl[0], buf, m, Lk, scale, stream, floor_);
         else
