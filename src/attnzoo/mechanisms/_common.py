@@ -551,7 +551,8 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     tensor: query blocks go in groups through :func:`attend_blocks` (in cache;
     recomputed in the backward), over keys padded with ``left`` rows before and ``right``
     after; on the CPU without padding keys the forward is torch's fused SDPA kernel over all
-    blocks (:meth:`_Band.fused_forward`) on the keys as they are (no padded copy: at
+    blocks (the native few-queries kernel for blocks without a mask: :meth:`_Band.fused_forward`)
+    on the keys as they are (no padded copy: at
     L = 16384 the copies and their gradients' cost ~5 % of local's training step), and the
     backward recomputes over the same windows (:meth:`_Band.fused_backward`). Returns
     ``(o (B, H, L, Dv), lse (B, H, L))``.
@@ -615,7 +616,9 @@ class _Band:
         view of the keys (no copy); the few at either end get a mask each (SDPA's kernel
         takes only 4-D masks of the query's dtype) and windows of a zero-padded copy of their
         keys (:meth:`_windows`). Padded queries past L see the padded keys too, so that no row
-        is empty (the kernel gives such rows lse 0); their results are discarded.
+        is empty (the kernel gives such rows lse 0); their results are discarded. Blocks
+        without a mask go to the native few-queries kernel instead, where it runs
+        (:meth:`_attend`).
 
         The kernel runs on pieces of about BAND_PIECE outputs (all heads), each copied into its
         place in one result: the kernel's own result for all the blocks at once, a fresh
@@ -634,12 +637,23 @@ class _Band:
                 mask = None
             for s in range(a, b, step):
                 e = min(b, s + step)
-                o[:, s:e], lse[:, s:e] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qb[:, s:e], self._windows(k_flat, s, e), self._windows(v_flat, s, e),
-                    attn_mask=mask if shared else mask[:, s - a:e - a],
-                    scale=self.fused_scale)[:2]
+                o[:, s:e], lse[:, s:e] = self._attend(qb[:, s:e], self._windows(k_flat, s, e),
+                                                      self._windows(v_flat, s, e),
+                                                      mask if shared else mask[:, s - a:e - a])
         B, H = self.bh.shape[:2]
         return o.view(B, H, self.Lp, -1), lse.view(B, H, self.Lp)
+
+    def _attend(self, q, k, v, mask):
+        """(o, lse) of the windows k, v (B·H, n, span, ·) of the query blocks q (B·H, n, block, D):
+        without a mask by the native few-queries kernel (each block's window as a head of its
+        own; block_local at L = 4096, 14 blocks of 8 heads: 31.7 ms against the SDPA kernel's
+        38.7) where it runs, else by the SDPA kernel with the additive ``mask``."""
+        if mask is None:
+            native = _few_queries_native(q, k, v, None, self.fused_scale, keep_lse=True)
+            if native is not None:
+                return native
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask,
+                                                                          scale=self.fused_scale)[:2]
 
     def fused_backward(self, grad_o, q_flat, k_flat, v_flat, o, lse):
         """(dq, dk, dv) of :meth:`fused_forward` (lse unused), recomputing each block's weights
@@ -654,7 +668,9 @@ class _Band:
         products go into buffers taken once, and rowsum(dO ⊙ O) is taken block by block: fresh
         (h, block, span) tensors were faulted in afresh in some processes, and the whole
         rowsum's (L, Dv) product was a large temporary (local's training step at L = 4096:
-        peak 50 -> 29-31 MiB). (torch's fused backward took ~25 % longer here, mostly
+        peak 50 -> 29-31 MiB). Runs of blocks without a mask take the native few-queries
+        backward where it runs (:meth:`_native_grads`: block_local's training step at
+        L = 4096 174-191 -> 139-141 ms). (torch's fused backward took ~25 % longer here, mostly
         zero-filling and summing per-window gradients; a loop over heads, with the windows of
         several blocks folded together, ~5 % longer.)
         """
@@ -675,6 +691,8 @@ class _Band:
             inside = (lo, hi) == (start, start + rows)
             dk_run, dv_run = ((t[:, start:start + rows] if inside else t.new_zeros(BH, rows, t.shape[-1]))
                               for t in (dk, dv))  # the run's keys' gradients
+            if not mask.any() and self._native_grads(gb, ob, lse, qb, kb, vb, a, b, (dq, dk_run, dv_run)):
+                continue
             for i in range(a, b):
                 bias = mask[0] if mask.shape[1] == 1 else mask[0, i - a]  # (1, block, span) | (block, span)
                 window = slice((i - a) * block, (i - a) * block + self.span)  # block i's keys in the run's
@@ -694,6 +712,28 @@ class _Band:
                 dk[:, lo:hi] += dk_run[:, lo - start:hi - start]
                 dv[:, lo:hi] += dv_run[:, lo - start:hi - start]
         return dq.view_as(q_flat), dk.view_as(k_flat), dv.view_as(v_flat)
+
+    def _native_grads(self, gb, ob, lse, qb, kb, vb, a, b, grads):
+        """Adds the gradients of query blocks a..b−1, unmasked, to ``grads`` = (dq (B·H, nb, block,
+        D), the run's dk and dv (B·H, rows, ·)) by the native few-queries backward, each block's
+        window a head of its own, in pieces of about BAND_PIECE outputs (a piece's window
+        gradients, (B·H, n, span, ·), are added onto the keys they belong to); False where the
+        kernels cannot run. lse (B·H, nb, block); the others as in :meth:`fused_backward`."""
+        dq, dk_run, dv_run = grads
+        lse = lse.view(qb.shape[:3])
+        step = max(1, BAND_PIECE // (qb.shape[0] * self.block * vb.shape[-1]))  # query blocks a piece
+        for s in range(a, b, step):
+            e, w = min(b, s + step), slice(s - a, min(b, s + step) - a)
+            native = _few_queries_native_grad(qb[:, s:e], kb[:, w], vb[:, w], None, self.fused_scale,
+                                              gb[:, s:e], ob[:, s:e], lse[:, s:e])
+            if native is None:
+                return False
+            dq[:, s:e], dk_w, dv_w = native  # dk_w, dv_w (B·H, e − s, span, ·)
+            for i in range(s, e):
+                keys = slice((i - a) * self.block, (i - a) * self.block + self.span)  # block i's in the run's
+                dk_run[:, keys] += dk_w[:, i - s]
+                dv_run[:, keys] += dv_w[:, i - s]
+        return True
 
     def _key_rows(self, a, b):
         """(start, rows, lo, hi): query blocks a..b−1 see ``rows`` keys from key ``start``
