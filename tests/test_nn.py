@@ -227,6 +227,10 @@ def test_fused_projections_gradcheck():
     assert torch.autograd.gradcheck(lambda *t: fn(t[0], 0, *t[1:]), (x, w1, b1, w2, None))
     assert torch.autograd.gradcheck(lambda *t: fn(t[0], 2, *t[1:]), (x, w1, None, P, P_each))
     assert torch.autograd.gradcheck(lambda *t: fn(t[0], 1, *t[1:]), (x, P))
+    P2 = torch.randn(4, 3, dtype=torch.float64, generator=g, requires_grad=True)  # shared, other rows:
+    # its gradient and P's from one product, rows of one buffer; one that needs none left out
+    assert torch.autograd.gradcheck(lambda *t: fn(t[0], 3, *t[1:]), (x, P, P_each, P2))
+    assert torch.autograd.gradcheck(lambda *t: fn(t[0], 3, *t[1:]), (x, P.detach(), P2, P_each))
 
 
 def test_a_global_module_hook_sees_every_projection():
