@@ -1006,21 +1006,24 @@ static AI void four_rows_by_columns(const REAL *a, int inner, const REAL *Mt, in
     if (c < n) four_rows_times(a, inner, inner, Mt + c, (int)n, (int)(n - c), out + c, (int)n, 0);
 }
 
-/* The largest of x[0..n) (-inf for none), by lanes (a scalar chain otherwise). */
-static REAL max_n(const REAL *x, int64_t n) {
-    REAL m = -INFINITY;
+/* The largest of each of four rows of n values (rows n apart; -inf for none) into m, by lanes,
+ * the rows' chains of folds interleaved: a row at a time, each fold waited on the last (few_keys'
+ * forward at L = 4096, 256 keys, 8 heads, 2 threads: 12.6 -> 11.6-11.9 ms). */
+static void four_maxima(const REAL *x, int64_t n, REAL *restrict m) {
     int64_t i = 0;
+    for (int r = 0; r < 4; r++) m[r] = -INFINITY;
     if (n >= LANES) {
-        lanes_v top, c;
-        memcpy(&top, x, sizeof top);
-        for (i = LANES; i + LANES <= n; i += LANES) {
-            memcpy(&c, x + i, sizeof c);
-            MAX_INTO(top, c);
-        }
-        m = lanes_max(&top);
+        lanes_v top[4], c;
+        for (int r = 0; r < 4; r++) memcpy(&top[r], x + r * n, sizeof c);
+        for (i = LANES; i + LANES <= n; i += LANES)
+            for (int r = 0; r < 4; r++) {
+                memcpy(&c, x + r * n + i, sizeof c);
+                MAX_INTO(top[r], c);
+            }
+        for (int r = 0; r < 4; r++) m[r] = lanes_max(&top[r]);
     }
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    return m;
+    for (int r = 0; r < 4; r++)
+        for (int64_t j = i; j < n; j++) m[r] = x[r * n + j] > m[r] ? x[r * n + j] : m[r];
 }
 
 /* exp(x - top) over x[0..n) in place; returns their sum (by lanes). */
@@ -1046,11 +1049,11 @@ static void few_keys_head(const REAL *Q, int64_t q_row, const REAL *K, const REA
         REAL q4[4][DK], o[4][DV], inv[4], top[4];
         four_rows_copy(Q, t, Lq, q_row, DK, scale, q4[0]);
         four_rows_by_columns(q4[0], DK, Kt, n, p); /* the scores */
+        four_maxima(p, n, top);
         for (int r = 0; r < 4; r++) {
-            REAL *pr = p + r * n;
-            const REAL m = max_n(pr, n), sum = exp_shifted(pr, n, m, floor_); /* (sum >= 1) */
+            const REAL sum = exp_shifted(p + r * n, n, top[r], floor_); /* (sum >= 1) */
             inv[r] = 1 / sum;
-            top[r] = m + (IS_FLOAT ? logf(sum) : log(sum));
+            top[r] += IS_FLOAT ? logf(sum) : log(sum);
         }
         four_rows_times(p, (int)n, (int)n, V, DV, DV, o[0], DV, 0);
         for (int r = 0; r < 4 && t + r < Lq; r++) {
@@ -1193,8 +1196,10 @@ static void rows_to(REAL *X, int64_t row, const int64_t *idx, int64_t kb, int wi
  * p becomes the weights exp(score - top), the rows of acc, sums and tops rescaled to the new top. */
 static AI void four_running(REAL *restrict p, int64_t kb, REAL *restrict acc, REAL *restrict sum,
                             REAL *restrict top, REAL floor_) {
+    REAL m[4];
+    four_maxima(p, kb, m);
     for (int r = 0; r < 4; r++) {
-        const REAL m = max_n(p + r * kb, kb), old = top[r], t = m > old ? m : old;
+        const REAL old = top[r], t = m[r] > old ? m[r] : old;
         const REAL s = exp_shifted(p + r * kb, kb, t, floor_);
         if (t != old) { /* (the first block: old -inf, acc and sum 0) */
             const REAL c = old == -INFINITY ? 0 : exp_nonpositive(old - t, floor_);
