@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
+from attnzoo import _native
 
 from mechanism_checks import cases, check_against_reference, check_gradcheck, random_inputs
 
@@ -109,16 +110,24 @@ def test_layer_projects_e_x_first_as_every_key_projected(monkeypatch, bias, shar
 @pytest.mark.parametrize("cross", [True, False])
 def test_layer_without_grad_in_query_blocks_equals_training_forward(monkeypatch, bias, masked, cross):
     """Without grad the layer attends and projects out blocks of query rows (3 blocks of 4, 4
-    and 1 here); its output equals the training forward's, which takes every query at once."""
+    and 1 here); its output equals the training forward's, which takes every query at once.
+    Both attend by the native few-keys kernel (asserted)."""
     nn_mod = __import__("attnzoo.nn", fromlist=["QUERY_BLOCK"])
     monkeypatch.setattr(nn_mod, "QUERY_BLOCK", 4)
     layer, x, memory, key_mask = _layer_and_inputs(bias, False, masked, cross)
     blocks, joined = [], nn_mod.MultiheadAttention._heads_joined
     monkeypatch.setattr(nn_mod.MultiheadAttention, "_heads_joined",
                         lambda self, out: blocks.append(out.shape[2]) or joined(self, out))
+    native, few_keys = [], _native.few_keys  # the queries of each call the kernel answered
+
+    def spy(q, *args):
+        out = few_keys(q, *args)
+        native.extend([q.shape[2]] * (out is not None))
+        return out
+    monkeypatch.setattr(_native, "few_keys", spy)
     with torch.no_grad():
         inference = layer(x, memory, key_mask=key_mask)
-    assert blocks == [4, 4, 1]
+    assert blocks == native == [4, 4, 1]
     training = layer(x.requires_grad_(), memory, key_mask=key_mask)
-    assert blocks == [4, 4, 1, 9]
+    assert blocks == native == [4, 4, 1, 9]
     torch.testing.assert_close(inference, training.detach(), atol=1e-13, rtol=1e-12)
