@@ -850,11 +850,6 @@ MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, wh
         "the scores and values of 256 keys a query (ours in C at the FMA units' peak). Ours runs "
         "within ~1.1× of its floor (table below); a peer's step within ~2.2× of it cannot be "
         "halved short of ~1.1×, beyond what SDPA's own step reaches."),
-    ("block_local", "fwdbwd_s"): (
-        "not a change of ours: the same code's step took 166 ms (0.45) in the run before, and 167-200 "
-        "ms in separate processes of one session, with the same page faults (50-550 a step) and "
-        "kernel time (~3 ms a step) in fast and slow ones: this machine's speed from process to "
-        "process (closing notes of issue 8)."),
     ("efficient", "fwd_s"): (
         "ours is two (L × 64) by (64 × 64) products a head and the exponentials of q and k, in C "
         "(native/kernels.c); the peer's are torch's softmax and BLAS. Timed alone on the AMD EPYC "
