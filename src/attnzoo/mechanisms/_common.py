@@ -723,7 +723,8 @@ class _Band:
         lse = lse.view(qb.shape[:3])
         step = max(1, BAND_PIECE // (qb.shape[0] * self.block * vb.shape[-1]))  # query blocks a piece
         for s in range(a, b, step):
-            e, w = min(b, s + step), slice(s - a, min(b, s + step) - a)
+            e = min(b, s + step)
+            w = slice(s - a, e - a)  # the piece's windows in the run's
             native = _few_queries_native_grad(qb[:, s:e], kb[:, w], vb[:, w], None, self.fused_scale,
                                               gb[:, s:e], ob[:, s:e], lse[:, s:e])
             if native is None:
