@@ -630,7 +630,7 @@ class _Band:
         qb = q_flat.view(-1, self.nb, self.block, q_flat.shape[-1])  # (B·H, nb, block, D)
         o = fresh_empty(*qb.shape[:3], v_flat.shape[-1], like=q_flat)  # (B·H, nb, block, Dv)
         lse = q_flat.new_empty(qb.shape[:3])  # (B·H, nb, block)
-        step = max(1, BAND_PIECE // (qb.shape[0] * self.block * v_flat.shape[-1]))  # query blocks a piece
+        step = self._blocks_a_piece(qb.shape[0], v_flat.shape[-1])
         for a, b, mask in self._runs(q_flat.dtype):
             shared = mask.shape[1] == 1
             if shared and not bool(mask.any()):  # every window key allowed (block_local): no mask
@@ -721,7 +721,7 @@ class _Band:
         kernels cannot run. lse (B·H, nb, block); the others as in :meth:`fused_backward`."""
         dq, dk_run, dv_run = grads
         lse = lse.view(qb.shape[:3])
-        step = max(1, BAND_PIECE // (qb.shape[0] * self.block * vb.shape[-1]))  # query blocks a piece
+        step = self._blocks_a_piece(qb.shape[0], vb.shape[-1])
         for s in range(a, b, step):
             e = min(b, s + step)
             w = slice(s - a, e - a)  # the piece's windows in the run's
@@ -735,6 +735,11 @@ class _Band:
                 dk_run[:, keys] += dk_w[:, i - s]
                 dv_run[:, keys] += dv_w[:, i - s]
         return True
+
+    def _blocks_a_piece(self, heads: int, Dv: int) -> int:
+        """Query blocks a piece of the fused forward and the native backward: about BAND_PIECE
+        outputs of ``heads`` (B·H) heads."""
+        return max(1, BAND_PIECE // (heads * self.block * Dv))
 
     def _key_rows(self, a, b):
         """(start, rows, lo, hi): query blocks a..b−1 see ``rows`` keys from key ``start``
