@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from attnzoo._pages import fresh_empty
+from attnzoo._products import times_t_into
 from attnzoo.registry import attention, get, make_options
 
 __all__ = ["CausalConv1d", "MultiheadAttention"]
@@ -286,7 +287,19 @@ def _project(x: torch.Tensor, projections: list[nn.Module], row_maps=()) -> tupl
 def _maps(x: torch.Tensor, params, row_maps) -> tuple[torch.Tensor, ...]:
     """x Wᵀ + b by :func:`_linears` for the (W, b) in ``params`` (flat: W, b, W, b, ...), then
     P x for each row map P: the maps of :func:`_project`, without autograd."""
-    return (*_linears(x, params[0::2], params[1::2]), *(torch.matmul(P, x) for P in row_maps))
+    return (*_linears(x, params[0::2], params[1::2]), *(_row_map(P, x) for P in row_maps))
+
+
+def _row_map(P: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """P x (B, p, d_in) for P (p, L) or (B, p, L) and x (B, L, d_in); a shared P by
+    :func:`~attnzoo._products.times_t_into` (oneDNN's, where it runs) a batch entry, into
+    :func:`~attnzoo._pages.fresh_empty` memory."""
+    if P.dim() == 3:
+        return torch.matmul(P, x)
+    out = fresh_empty(x.shape[0], P.shape[0], x.shape[2], like=x)
+    for out_b, x_b in zip(out, x, strict=True):
+        times_t_into(out_b, P, x_b.t())
+    return out
 
 
 def _linears(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
@@ -307,8 +320,9 @@ def _linears(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
 
 
 def _linear_into(out: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    """rows Wᵀ + b, (n, d_in) -> (n, d_out), written into ``out`` (contiguous)."""
-    return torch.mm(rows, w.t(), out=out) if b is None else torch.addmm(b, rows, w.t(), out=out)
+    """rows Wᵀ + b, (n, d_in) -> (n, d_out), written into ``out`` (contiguous) by
+    :func:`~attnzoo._products.times_t_into` (oneDNN's, where it runs)."""
+    return times_t_into(out, rows, w, b)
 
 
 class _SharedInputLinear(torch.autograd.Function):
@@ -343,7 +357,7 @@ class _SharedInputLinear(torch.autograd.Function):
         for n, (g, w, has_bias) in enumerate(zip(grads[:len(weights)], weights, ctx.has_bias, strict=True)):
             g_rows = g.reshape(-1, g.shape[-1])  # (B·L, d_out)
             if ctx.needs_input_grad[0]:
-                dx = (torch.mm(g_rows, w, out=fresh_empty(g_rows.shape[0], w.shape[1], like=g_rows))
+                dx = (times_t_into(fresh_empty(g_rows.shape[0], w.shape[1], like=g_rows), g_rows, w.t())
                       if dx is None else dx.addmm_(g_rows, w))
             d_params.append(g_rows.t() @ x_rows if needs[2 * n] else None)
             d_params.append(g_rows.sum(0) if has_bias and needs[2 * n + 1] else None)
@@ -390,7 +404,7 @@ def _row_map_grads(row_maps, grads, needs, x):
     shared = [j for j, (P, need) in enumerate(zip(row_maps, needs, strict=True)) if need and P.dim() == 2]
     if shared:
         g_all = torch.cat([grads[j] for j in shared], dim=1)  # (B, Σp, d_in)
-        dP = torch.mm(g_all[0], x[0].t(), out=fresh_empty(g_all.shape[1], x.shape[1], like=g_all))  # (Σp, L)
+        dP = times_t_into(fresh_empty(g_all.shape[1], x.shape[1], like=g_all), g_all[0], x[0])  # (Σp, L)
         for b in range(1, x.shape[0]):
             dP.addmm_(g_all[b], x[b].t())
         for j, rows in zip(shared, dP.split([row_maps[j].shape[0] for j in shared]), strict=True):
