@@ -832,21 +832,30 @@ MEASURES = {"fwd_s": "forward time", "fwdbwd_s": "training-step time", "fwd_mib"
             "fwdbwd_mib": "training-step memory"}  # what a pair's report row compares, in its order
 STEP_WORK = 3.0  # a training step's least work over its forward's: each product's backward is two
 NYSTROM_WORK = (  # {what}: a forward or a training step, with its own counts of products
-    "nearly all of this {what} is work both sides do, at the rate of torch's kernels: the layer's "
-    "four projections ({gemms} GEMMs of (L × 512) by (512 × 512)), the pseudo-inverse's six "
+    "nearly all of this {what} is work both sides do, near the machine's matmul rate: the layer's "
+    "four projections ({gemms} GEMMs of (L × 512) by (512 × 512); ours by oneDNN's AVX-512 inner "
+    "product where MKL's is slower, attnzoo/_products.py), the pseudo-inverse's six "
     "iterations ({products} products of (256 × 256) matrices a head) and the two landmark kernels "
     "(the landmarks' queries over the keys and the queries over the landmarks, both in C near "
     "the FMA units' peak), about a third each. The groupings of the iteration with fewer "
     "products (P = AZ carried from step to step; the spectrum of AAᵀ through eigh) were measured: "
     "in float32 they lose 30–60× the iteration's accuracy, in float64 their eigh costs what they "
     "save (closing notes of issue 8).")
+SAME_CALL = (  # full attention: SDPA on both sides
+    "both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
+    "(attnzoo.attention passes them to it, nothing of ours around it): the ratio measures only how "
+    "this machine's speed differs from process to process, for a whole process (see the header), "
+    "over 3 processes a side at ~1–4 min each.")
 MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, where it does
+    ("full", "fwd_s"): SAME_CALL,
+    ("full", "fwdbwd_s"): SAME_CALL,
     ("nystrom", "fwdbwd_s"): NYSTROM_WORK.format(what="step", gemms=12,
                                                  products="exact backpropagation: ~63"),
     ("nystrom", "fwd_s"): NYSTROM_WORK.format(what="forward", gemms=4, products="~21"),
     ("linformer", "fwdbwd_s"): (
         "the step is products on both sides: the layer's q and output projections and E X and F X "
-        "(the sequence brought to 256 rows before W_K and W_V: the least work) at BLAS's rate, and "
+        "(the sequence brought to 256 rows before W_K and W_V: the least work) at the machine's "
+        "matmul rate (ours by oneDNN's AVX-512 inner product where MKL's is slower), and "
         "the scores and values of 256 keys a query (ours in C at the FMA units' peak). Ours runs "
         "within ~1.1× of its floor (table below); a peer's step within ~2.2× of it cannot be "
         "halved short of ~1.1×, beyond what SDPA's own step reaches."),

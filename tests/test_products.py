@@ -9,7 +9,9 @@ needs_onednn = pytest.mark.skipif(_products._LINEAR is None, reason="torch built
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """The calls that reach oneDNN's op, recorded (each: the shapes of a and w)."""
+    """The calls that reach oneDNN's op, recorded (each: the shapes of a and w), oneDNN chosen
+    whatever the CPU."""
+    monkeypatch.setattr(_products, "USE_ONEDNN", True)
     calls, op = [], _products._LINEAR
     monkeypatch.setattr(_products, "_LINEAR",
                         lambda a, w, *rest: calls.append((a.shape, w.shape)) or op(a, w, *rest))
@@ -85,3 +87,16 @@ def test_layer_by_onednn_equals_layer_by_mkl(monkeypatch, onednn_calls, mechanis
     torch.testing.assert_close(step[0], step_mkl[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(step[1], step_mkl[1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_onednn_by_default_on_amd_cpus_or_as_the_environment_says(tmp_path, monkeypatch):
+    amd, intel = tmp_path / "amd", tmp_path / "intel"
+    amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n")
+    intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: AMD-like name\n")
+    monkeypatch.delenv("ATTNZOO_ONEDNN", raising=False)
+    assert _products._default_use(str(amd)) and not _products._default_use(str(intel))
+    assert not _products._default_use(str(tmp_path / "missing"))
+    monkeypatch.setenv("ATTNZOO_ONEDNN", "0")
+    assert not _products._default_use(str(amd))
+    monkeypatch.setenv("ATTNZOO_ONEDNN", "1")
+    assert _products._default_use(str(intel))

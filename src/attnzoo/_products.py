@@ -15,14 +15,34 @@ tensor. oneDNN writes a fresh tensor from torch's allocator (no ``out=``), which
 in afresh on most calls (linformer's training step at L = 4096: ~3k page faults, none by MKL
 into :func:`~attnzoo._pages.fresh_empty`'s kept blocks): it writes blocks of BLOCK_BYTES,
 which the heap hands out again warm, each copied into the result at once.
+
+By default only on AMD's CPUs, where MKL was seen to take its generic path; on Intel's MKL runs
+its own AVX-512 kernels (not measured against oneDNN here), and elsewhere torch's BLAS stays.
+``ATTNZOO_ONEDNN=1`` or ``0`` decides instead.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 BLOCK_BYTES = 2 << 20  # oneDNN's result a call (see the module doc)
-USE_ONEDNN = True  # (tests turn it off to compare)
+
+
+def _default_use(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """``ATTNZOO_ONEDNN`` where it is 1 or 0, else whether Linux names the CPU's vendor AMD."""
+    chosen = os.environ.get("ATTNZOO_ONEDNN")
+    if chosen in ("0", "1"):
+        return chosen == "1"
+    try:
+        with open(cpuinfo) as f:
+            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    except OSError:
+        return False
+
+
+USE_ONEDNN = _default_use()  # (tests set it to compare the two)
 
 
 def _onednn_op():
