@@ -180,14 +180,14 @@ def test_fused_projections_equal_separate_ones(monkeypatch, name, bias, frozen):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("cross", [False, True])
 def test_projections_without_grad_equal_the_modules(monkeypatch, bias, cross):
-    """Without grad the layer writes each projection into fresh memory itself (``_linear_into``);
+    """Without grad the layer writes each projection into fresh memory itself (``times_t_into``);
     a global module hook makes it call the modules. The outputs agree."""
     torch.manual_seed(0)
     layer = attnzoo.MultiheadAttention(12, 3, bias=bias).double()
     x, memory = torch.randn(2, 7, 12, dtype=torch.float64), torch.randn(2, 5, 12, dtype=torch.float64)
-    nn_mod = __import__("attnzoo.nn", fromlist=["_linear_into"])
-    calls, linear = [], nn_mod._linear_into
-    monkeypatch.setattr(nn_mod, "_linear_into", lambda *a: calls.append(1) or linear(*a))
+    nn_mod = __import__("attnzoo.nn", fromlist=["times_t_into"])
+    calls, linear = [], nn_mod.times_t_into
+    monkeypatch.setattr(nn_mod, "times_t_into", lambda *a: calls.append(1) or linear(*a))
     with torch.no_grad():
         ours = layer(x, memory if cross else None)
         assert len(calls) == 4  # q, k, v, out

@@ -193,7 +193,7 @@ class MultiheadAttention(nn.Module):
         for s in range(0, x.shape[1], QUERY_BLOCK):
             joined = self._heads_joined(attend(x[:, s:s + QUERY_BLOCK]))  # (B, n, d_model)
             for out_rows, rows in zip(out[:, s:s + QUERY_BLOCK], joined, strict=True):  # (n, ·) each
-                _linear_into(out_rows, rows, w, b)
+                times_t_into(out_rows, rows, w, b)
         return out
 
     def _call_options(self, device) -> dict:
@@ -315,14 +315,8 @@ def _linears(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
     widths = [w.shape[0] for w in weights]
     outs = (fresh_empty(len(weights), rows.shape[0], widths[0], like=rows) if len(set(widths)) == 1
             else [fresh_empty(rows.shape[0], d_out, like=rows) for d_out in widths])
-    return [_linear_into(out, rows, w, b).view(*x.shape[:-1], w.shape[0])
+    return [times_t_into(out, rows, w, b).view(*x.shape[:-1], w.shape[0])
             for out, w, b in zip(outs, weights, biases, strict=True)]
-
-
-def _linear_into(out: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    """rows Wᵀ + b, (n, d_in) -> (n, d_out), written into ``out`` (contiguous) by
-    :func:`~attnzoo._products.times_t_into` (oneDNN's, where it runs)."""
-    return times_t_into(out, rows, w, b)
 
 
 class _SharedInputLinear(torch.autograd.Function):
