@@ -837,10 +837,10 @@ NYSTROM_WORK = (  # {what}: a forward or a training step, with its own counts of
     "product where MKL's is slower, attnzoo/_products.py), the pseudo-inverse's six "
     "iterations ({products} products of (256 × 256) matrices a head) and the two landmark kernels "
     "(the landmarks' queries over the keys and the queries over the landmarks, both in C near "
-    "the FMA units' peak), about a third each. The groupings of the iteration with fewer "
-    "products (P = AZ carried from step to step; the spectrum of AAᵀ through eigh) were measured: "
-    "in float32 they lose 30–60× the iteration's accuracy, in float64 their eigh costs what they "
-    "save (closing notes of issue 8).")
+    "the FMA units' peak), about a third each. Ours carries P = AZ from step to step for the last "
+    "two steps only (attnzoo.mechanisms.nystrom.pinv_times; ~1.3× the float32 error of the "
+    "iteration); through all six steps, or through the spectrum of AAᵀ by eigh, float32 lost "
+    "30–60× its accuracy, and in float64 eigh cost what it saved (closing notes of issue 8).")
 SAME_CALL = (  # full attention: SDPA on both sides
     "both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
     "(attnzoo.attention passes them to it, nothing of ours around it): the ratio measures only how "
@@ -850,8 +850,8 @@ MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, wh
     ("full", "fwd_s"): SAME_CALL,
     ("full", "fwdbwd_s"): SAME_CALL,
     ("nystrom", "fwdbwd_s"): NYSTROM_WORK.format(what="step", gemms=12,
-                                                 products="exact backpropagation: ~63"),
-    ("nystrom", "fwd_s"): NYSTROM_WORK.format(what="forward", gemms=4, products="~21"),
+                                                 products="exact backpropagation: ~57"),
+    ("nystrom", "fwd_s"): NYSTROM_WORK.format(what="forward", gemms=4, products="~19"),
     ("linformer", "fwdbwd_s"): (
         "the step is products on both sides: the layer's q and output projections and E X and F X "
         "(the sequence brought to 256 rows before W_K and W_V: the least work) at the machine's "
