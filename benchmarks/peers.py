@@ -840,7 +840,7 @@ NYSTROM_WORK = (  # {what}: a forward or a training step, with its own counts of
     "the FMA units' peak), about a third each. Ours carries P = AZ from step to step for the last "
     "two steps only (attnzoo.mechanisms.nystrom.pinv_times; ~1.3× the float32 error of the "
     "iteration); through all six steps, or through the spectrum of AAᵀ by eigh, float32 lost "
-    "30–60× its accuracy, and in float64 eigh cost what it saved (closing notes of issue 8).")
+    "30–80× its accuracy, and in float64 eigh cost what it saved (closing notes of issue 8).")
 SAME_CALL = (  # full attention: SDPA on both sides
     "both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
     "(attnzoo.attention passes them to it, nothing of ours around it): the ratio measures only how "

@@ -101,7 +101,7 @@ def pinv_times(a: torch.Tensor, b: torch.Tensor, iterations: int) -> torch.Tenso
     (m × n) products and P = ¼(Q(7P' − Q − 15I) + 13P'), Q = P'², two (m × m) ones: three
     (m × m) products for the two steps, where forming their Z takes eight. The same iteration,
     grouped differently; not further back: each step's Z, multiplied by A afresh, corrects
-    its own rounding, and a product of brackets does not (all six steps so: 30-60× the
+    its own rounding, and a product of brackets does not (all six steps so: 30-80× the
     float32 error of the iteration; the last two: ~1.3×)."""
     tail = min(2, iterations)  # the steps applied to b
     z = iterative_pinv(a, iterations - tail)
