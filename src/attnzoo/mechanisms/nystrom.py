@@ -103,12 +103,17 @@ def pinv_times(a: torch.Tensor, b: torch.Tensor, iterations: int) -> torch.Tenso
     grouped differently; not further back: each step's Z, multiplied by A afresh, corrects
     its own rounding, and a product of brackets does not (all six steps so: 30-80× the
     float32 error of the iteration; the last two: ~1.3×)."""
-    tail = min(2, iterations)  # the steps applied to b
+    tail = _tail(iterations)
     z = iterative_pinv(a, iterations - tail)
     p = fresh_matmul(a, z)  # (..., m, m): P of the first of them
     if tail == 2:
         b = _bracket_times(_next_p(p), b)  # (..., m, n): the last step's (the brackets commute)
     return z @ _bracket_times(p, b)
+
+
+def _tail(iterations: int) -> int:
+    """How many of the last steps :func:`pinv_times` applies to b: two, or the one there is."""
+    return min(2, iterations)
 
 
 def _next_p(p):
@@ -185,7 +190,7 @@ def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
 def nystrom_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
     m = min(opts.num_landmarks, Lq, Lk)  # (the segment means are sums, not products: uncounted)
     kernels = 2.0 * m * Lk * (D + Dv) + 2.0 * m * m * D + 2.0 * Lq * m * (D + Dv)
-    tail = min(2, opts.pinv_iterations)  # (see pinv_times)
+    tail = _tail(opts.pinv_iterations)  # (see pinv_times)
     pinv = ((opts.pinv_iterations - tail) * 8.0 + 2.0 * (2 * tail - 1)) * m**3 + (6 * tail + 2.0) * m * m * Dv
     return B * H * (kernels + pinv)
 
