@@ -24,9 +24,10 @@ a call is cheap, else one (:func:`peak_memories`), after one warm-up call. Times
 medians over every timed call of every round; memory is the median over every memory call
 of every round. With ``--cheap-rounds N`` a cell whose rounds each took under CHEAP_S
 seconds a side gets N rounds: this machine's speed differs from process to process, and
-more processes steady the medians where they cost little. Full attention's cells get N
-rounds whatever they cost: both sides make the same SDPA call, so their ratio is that
-spread alone.
+more processes steady the medians where they cost little. In full attention's cells both
+sides make the same SDPA call, so a ratio of processes measures that spread alone: each of
+their rounds adds a third process where the two sides' calls alternate (:func:`measure_paired`),
+and their ratio is read there.
 
 Writes docs/performance.md (ratios ours/peer and ours/SDPA with the targets of issue 8,
 the machine, the command) and docs/performance.json (every number). Only this script
@@ -455,12 +456,7 @@ def measure_side(case: Case, repeats: int, backward: bool, part: str = "time") -
     if not backward:
         return {**out, "status": "ok"}
     grad = torch.randn(case.fwd().shape, generator=torch.Generator().manual_seed(1))
-
-    def fwd_bwd():
-        for t in case.leaves:
-            t.grad = None
-        case.fwd().backward(grad)
-
+    fwd_bwd = functools.partial(_step, case, grad)
     first = timings(fwd_bwd, 1)[0]
     out["fwdbwd_first_s"] = first
     if first > CALL_LIMIT_S:
@@ -469,11 +465,47 @@ def measure_side(case: Case, repeats: int, backward: bool, part: str = "time") -
     return {**out, "status": "ok", "bwd_status": "ok"}
 
 
+def measure_paired(ours: Case, peer: Case, repeats: int, backward: bool) -> dict:
+    """Both sides of a cell in one process, their calls alternating (ours, peer, peer, ours, ...),
+    forward (no grad) then forward+backward, after a warm-up call of each: the ratio ours / peer
+    of each adjacent two (``{key}_ratios``), at least ``repeats`` of them (:func:`calls_for`).
+    For full attention, where both sides make the same call: this machine's speed differs from
+    process to process by as much as the target (SDPA's training step at L = 4096 took
+    806-816 ms in three processes and 767-797 in three others), and two alternating calls in
+    one process differ by what the sides do differently (768.8 / 767.6, 796.3 / 797.7)."""
+    def ratios(a, b) -> list[float]:
+        n = calls_for(max(timings(a, 1)[0], timings(b, 1)[0]), repeats)
+        found = []
+        for i in range(n):
+            if i % 2 == 0:
+                t_a, t_b = timings(a, 1)[0], timings(b, 1)[0]
+            else:
+                t_b, t_a = timings(b, 1)[0], timings(a, 1)[0]
+            found.append(t_a / t_b)
+        return found
+
+    with torch.no_grad():
+        out = {"fwd_ratios": ratios(ours.fwd, peer.fwd)}
+    if backward:
+        grad = torch.randn(peer.fwd().shape, generator=torch.Generator().manual_seed(1))
+        out["fwdbwd_ratios"] = ratios(*(functools.partial(_step, case, grad) for case in (ours, peer)))
+    return {**out, "status": "ok"}
+
+
+def _step(case: Case, grad: torch.Tensor) -> None:
+    """One forward+backward of ``case`` from ``grad``, its leaves' gradients cleared first."""
+    for t in case.leaves:
+        t.grad = None
+    case.fwd().backward(grad)
+
+
 def child(pair: str, side: str, L: int, repeats: int, backward: bool, threads: int,
           part: str = "time") -> dict:
     torch.set_num_threads(threads)
     p = PAIRS[pair]
     try:
+        if side == "paired":
+            return measure_paired(ours_case(p, L), p.peer(L), repeats, backward)
         case = ours_case(p, L) if side == "ours" else p.peer(L)
         return measure_side(case, repeats, backward, part)
     except ImportError as err:
@@ -514,7 +546,10 @@ def agreement(pair: Pair, L: int) -> dict:
 def run_child(pair: str, side: str, L: int, args) -> dict:
     """One side of a cell for one round: a process for the memory calls (``memory_env``),
     then one for the timed calls with glibc's defaults; their results in one dict, whose
-    ``child_s`` is the two processes' wall time together (:func:`cell_rounds`)."""
+    ``child_s`` is the two processes' wall time together (:func:`cell_rounds`). Side "paired"
+    (:func:`measure_paired`) is the timed process alone."""
+    if side == "paired":
+        return _child_process(pair, side, L, args, "time")
     memory = _child_process(pair, side, L, args, "memory")
     if memory["status"] != "ok":
         return memory
@@ -544,23 +579,33 @@ def _child_process(pair: str, side: str, L: int, args, part: str) -> dict:
             "child_s": child_s}
 
 
-def cell_rounds(runs: dict[str, list[dict]], rounds: int, cheap_rounds: int, same_call: bool = False) -> int:
+def cell_rounds(runs: dict[str, list[dict]], rounds: int, cheap_rounds: int) -> int:
     """Rounds for a cell, given its runs so far: ``rounds``, or ``cheap_rounds`` where every
-    round of a side so far took under CHEAP_S (its ``child_s``: both processes, :func:`run_child`),
-    or where both sides make the same call (``same_call``: full attention against SDPA). This
-    machine's speed differs from process to process (the same call runs at one of two speeds,
-    for the whole process), so a median over two processes a side can land on either; where
-    processes are cheap, more of them steady it.
-    A same-call cell measures only that spread, against a target (1.05) narrower than it,
-    so it gets the extra rounds whatever they cost (~3 min a round at L = 16384)."""
+    round of a side so far took under CHEAP_S (its ``child_s``: both processes, :func:`run_child`).
+    This machine's speed differs from process to process (the same call runs at one of two
+    speeds, for the whole process), so a median over two processes a side can land on either;
+    where processes are cheap, more of them steady it."""
     done = [run for side in runs.values() for run in side]
     cheap = bool(done) and all(run.get("child_s", math.inf) < CHEAP_S for run in done)
-    return max(rounds, cheap_rounds) if cheap or same_call else rounds
+    return max(rounds, cheap_rounds) if cheap else rounds
 
 
 def job_rounds(job: tuple[str, int], runs: dict, rounds: int, cheap_rounds: int) -> int:
     """:func:`cell_rounds` of the cell ``job`` = (pair name, L)."""
-    return cell_rounds(runs[job], rounds, cheap_rounds, same_call=PAIRS[job[0]].mechanism == "full")
+    return cell_rounds(runs[job], rounds, cheap_rounds)
+
+
+def merge_paired(runs: list[dict]) -> dict:
+    """The paired side's cell (:func:`measure_paired`) from its rounds: the median ratio over
+    every alternating two of every round, and how many."""
+    ok = [r for r in runs if r.get("status") == "ok"]
+    if not ok:
+        return {"status": runs[0].get("status", "not run")}
+    cell = {"status": "ok", "rounds": len(ok)}
+    for key in ("fwd", "fwdbwd"):
+        if ratios := [x for r in ok for x in r.get(f"{key}_ratios", [])]:
+            cell[f"{key}_ratio"], cell[f"{key}_pairs"] = statistics.median(ratios), len(ratios)
+    return cell
 
 
 def merge(runs: list[dict]) -> dict:
@@ -634,10 +679,11 @@ def main_parent(args) -> None:
            "machine": machine(args.threads), "lengths": args.lengths, "repeats": args.repeats,
            "timed_s": TIMED_S, "max_repeats": MAX_REPEATS,
            "rounds": args.rounds, "cheap_rounds": args.cheap_rounds, "cheap_s": CHEAP_S, "interleaved": True,
-           "same_call_rounds": True, "mmap_threshold": MMAP_THRESHOLD}
+           "paired_full": True, "mmap_threshold": MMAP_THRESHOLD}
     doc["agreement"] = {n: agreement(PAIRS[n], min(args.lengths)) for n in names if PAIRS[n].same_output}
     jobs = [(n, L) for n in names for L in args.lengths]
-    runs = {job: {s: [] for s in ["ours"] + (["peer"] if PAIRS[job[0]].peer else [])} for job in jobs}
+    runs = {job: {s: [] for s in ["ours"] + (["peer"] if PAIRS[job[0]].peer else [])
+                  + (["paired"] if PAIRS[job[0]].mechanism == "full" else [])} for job in jobs}
     out, started = Path(args.out), time.time()
     with Progress(console=console) as progress:
         task = progress.add_task("pairs", total=len(jobs) * args.rounds)
@@ -671,7 +717,8 @@ def rounds_due(jobs: list, runs: dict, rounds: int, cheap_rounds: int):
 
 def write_report(doc: dict, runs: dict, out: Path, started: float) -> None:
     """docs/performance.md and .json from the runs so far."""
-    doc["cells"] = {f"{n}/{L}": {s: merge(side) for s, side in cell.items() if side}
+    doc["cells"] = {f"{n}/{L}": {s: (merge_paired if s == "paired" else merge)(side)
+                                 for s, side in cell.items() if side}
                     for (n, L), cell in runs.items() if any(cell.values())}
     doc["wall_s"] = round(time.time() - started)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -700,9 +747,19 @@ def _short(fraction: float) -> str:
 def _ratio(a: dict, b: dict, key: str, target: float | None = None) -> str:
     if key not in a or key not in b or not b[key]:
         return "–"
-    r = a[key] / b[key]
-    mark = "" if target is None else (" ✓" if r <= target else " ✗")
-    return f"{r:.2f}{mark}"
+    return _marked(a[key] / b[key], target)
+
+
+def _marked(r: float, target: float | None) -> str:
+    return f"{r:.2f}" + ("" if target is None else " ✓" if r <= target else " ✗")
+
+
+def _paired_ratio(cell: dict, key: str) -> float | None:
+    """The median ratio of a cell's alternating calls in one process (:func:`measure_paired`) for
+    a time ``key``; None where the cell was not so measured (runs from before never were)."""
+    if not key.endswith("_s"):
+        return None
+    return cell.get("paired", {}).get(key.removesuffix("_s") + "_ratio")
 
 
 def floor_s(pair: Pair, L: int, doc: dict) -> float | None:
@@ -777,6 +834,17 @@ def _more_rounds(doc: dict) -> str:
             "process to process)")
 
 
+def _paired_note(doc: dict) -> str:
+    """The report's note on full attention's paired time ratios (runs from before had none)."""
+    if not doc.get("paired_full"):
+        return ""
+    return (" Full attention's time ratios (‡) are not of those medians: both sides make the same "
+            "SDPA call, and a ratio of processes measures this machine's spread from process to "
+            "process, as wide as the target (5%); each of its rounds adds a process where the two "
+            "sides' calls alternate (ours, SDPA, SDPA, ours, ...), and the ratio is the median over "
+            "every two adjacent calls of every round.")
+
+
 def _interleaved(doc: dict) -> str:
     """The report's note on the order of rounds (runs from before it ran each cell's rounds together)."""
     return ", interleaved (round r of every cell before round r + 1 of any)" if doc.get("interleaved") else ""
@@ -799,8 +867,9 @@ def _kernel_time(cells: dict) -> str:
         if int(name.rsplit("/", 1)[1]) < 4096:
             continue
         for side, cell in c.items():
-            shares[side] += [cell[f"{k}_sys_s"] / cell[f"{k}_s"] for k in ("fwd", "fwdbwd")
-                             if f"{k}_sys_s" in cell]
+            if side in shares:  # (not the paired process: it keeps ratios only)
+                shares[side] += [cell[f"{k}_sys_s"] / cell[f"{k}_s"] for k in ("fwd", "fwdbwd")
+                                 if f"{k}_sys_s" in cell]
     if not shares["ours"]:
         return ""
     said = [f"{statistics.median(v):.0%} for {'ours' if s == 'ours' else 'the peers'}"
@@ -841,11 +910,16 @@ NYSTROM_WORK = (  # {what}: a forward or a training step, with its own counts of
     "two steps only (attnzoo.mechanisms.nystrom.pinv_times; ~1.3× the float32 error of the "
     "iteration); through all six steps, or through the spectrum of AAᵀ by eigh, float32 lost "
     "30–80× its accuracy, and in float64 eigh cost what it saved (closing notes of issue 8).")
-SAME_CALL = (  # full attention: SDPA on both sides
+SAME_CALL = (  # full attention: SDPA on both sides, each in processes of its own (runs from before)
     "both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
     "(attnzoo.attention passes them to it, nothing of ours around it): the ratio measures only how "
     "this machine's speed differs from process to process, for a whole process (see the header), "
     "over 3 processes a side at ~1–4 min each.")
+PAIRED = "SDPA, the calls alternating in one process"  # (measure_paired)
+PAIRED_WHY = (
+    "both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
+    "(attnzoo.attention passes them to it, nothing of ours around it); with their calls alternating "
+    "in one process, the ratio is what the machine did differently from one call to the next.")
 MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, where it does
     ("full", "fwd_s"): SAME_CALL,
     ("full", "fwdbwd_s"): SAME_CALL,
@@ -900,9 +974,12 @@ def marks(doc: dict) -> list[tuple[str, int, str, str, float, float, float]]:
         for L in doc["lengths"]:
             c = cells.get(f"{name}/{L}")
             if L >= 4096 and c and "peer" in c:
-                found += [(name, L, key, "the peer", c["ours"][key], c["peer"][key],
-                           peer_target(name, c["peer"], L, doc, key))
-                          for key in MEASURES if key in c["ours"] and c["peer"].get(key)]
+                for key in MEASURES:
+                    target = peer_target(name, c["peer"], L, doc, key)
+                    if (paired := _paired_ratio(c, key)) is not None:
+                        found.append((name, L, key, PAIRED, paired, 1.0, target))
+                    elif key in c["ours"] and c["peer"].get(key):
+                        found.append((name, L, key, "the peer", c["ours"][key], c["peer"][key], target))
     for name, pair in _sdpa_pairs():
         for L in doc["lengths"]:
             sides, target = _against_sdpa(cells, name, pair, L), sdpa_target(L)
@@ -937,6 +1014,11 @@ def _summary(doc: dict) -> list[str]:
     lines = ["## Summary", "", f"{len(found) - len(missed)} of {len(found)} marked ratios meet their "
              f"target{':' if missed else '.'}", ""]
     for name, L, key, against, ours, theirs, target in missed:
+        if against == PAIRED:
+            lines.append(f"- ✗ `{name}` at L = {L}, {MEASURES[key]} against {against}: {ours:.3f}, "
+                         f"target ≤ {target:g}.")
+            lines.append(f"  Why: {PAIRED_WHY}")
+            continue
         time_ = key.endswith("_s")
         unit = (lambda x: f"{_milliseconds(x)} ms") if time_ else (lambda x: f"{x:.0f} MiB")
         lines.append(f"- ✗ `{name}` at L = {L}, {MEASURES[key]} against {against}: {unit(ours)} / "
@@ -969,7 +1051,7 @@ def report(doc: dict) -> str:
         f"rounds){_memory_process(doc)}. Ratios are "
         "ours / peer: below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 "
         "(in time, ≤ 1.0 where the peer's own is within 2× of the FLOP floor: the forward's, or a training "
-        f"step's, {STEP_WORK:g}× it); ✓ meets it, ✗ misses it.",
+        f"step's, {STEP_WORK:g}× it); ✓ meets it, ✗ misses it.{_paired_note(doc)}",
         "",
         *_summary(doc),
         "## Ours against the peer",
@@ -988,7 +1070,9 @@ def report(doc: dict) -> str:
             for key in MEASURES:
                 fmt = _ms if key.endswith("_s") else (lambda c, k: f"{c[k]:.0f}" if k in c else "–")
                 target = peer_target(name, p, L, doc, key) if L >= 4096 else None
-                row += [f"{fmt(o, key)} / {fmt(p, key)}", _ratio(o, p, key, target)]
+                paired = _paired_ratio(c, key)
+                row += [f"{fmt(o, key)} / {fmt(p, key)}",
+                        _ratio(o, p, key, target) if paired is None else _marked(paired, target) + " ‡"]
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Configurations:", ""]
     lines += [f"- `{n}` ({p.scope}): {p.config}{_agreement(doc, n)}" for n, p in PAIRS.items()
