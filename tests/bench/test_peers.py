@@ -233,10 +233,43 @@ def test_cheap_cells_get_more_rounds():
     assert peers.cell_rounds({"ours": [quick], "peer": [quick]}, 2, 4) == 4
     assert peers.cell_rounds({"ours": [quick], "peer": [slow]}, 2, 4) == 2  # one slow side: no more
     assert peers.cell_rounds({"ours": [quick]}, 3, 0) == 3  # --cheap-rounds off
-    assert peers.cell_rounds({"ours": [slow], "peer": [slow]}, 2, 4, same_call=True) == 4
-    slow_runs = {"ours": [slow], "peer": [slow]}
-    assert peers.job_rounds(("full", 16384), {("full", 16384): slow_runs}, 2, 4) == 4  # SDPA both sides
+    slow_runs = {"ours": [slow], "peer": [slow], "paired": [quick]}
+    # SDPA on both sides: its ratio comes from the paired process, not from more rounds
+    assert peers.job_rounds(("full", 16384), {("full", 16384): slow_runs}, 2, 4) == 2
     assert peers.job_rounds(("linformer", 16384), {("linformer", 16384): slow_runs}, 2, 4) == 2
+
+
+def test_paired_calls_alternate_and_give_each_twos_ratio(monkeypatch):
+    """measure_paired: a warm-up call of each side, then ours, peer, peer, ours, ...; the ratio of
+    each adjacent two, forward then forward+backward; merge_paired takes their median."""
+    events = []
+    x = torch.ones(3, requires_grad=True)
+    ours, peer = (peers.Case(lambda name=name: events.append(name) or x * 2, [x])
+                  for name in ("ours", "peer"))
+    # a call of ours takes 2 s, of the peer 1 s
+    monkeypatch.setattr(peers, "timings", lambda fn, n: (fn(), [2.0 if events[-1] == "ours" else 1.0])[1])
+    monkeypatch.setattr(peers, "calls_for", lambda first, repeats: 3)
+    result = peers.measure_paired(ours, peer, repeats=3, backward=True)
+    assert result == {"status": "ok", "fwd_ratios": [2.0] * 3, "fwdbwd_ratios": [2.0] * 3}
+    assert events[:8] == ["ours", "peer", "ours", "peer", "peer", "ours", "ours", "peer"]
+    assert x.grad is not None  # (the steps ran their backward)
+    runs = [{"status": "ok", "fwd_ratios": [1.0, 1.2], "fwdbwd_ratios": [0.9]},
+            {"status": "ok", "fwd_ratios": [1.1]}, {"status": "child failed"}]
+    assert peers.merge_paired(runs) == {"status": "ok", "rounds": 2, "fwd_ratio": 1.1, "fwd_pairs": 3,
+                                        "fwdbwd_ratio": 0.9, "fwdbwd_pairs": 1}
+
+
+def test_report_takes_full_attentions_ratio_from_the_paired_calls():
+    """Where a full cell has paired ratios, they are its time ratios (marked ‡) and its marks; the
+    processes' medians (1.10 here) stay in the ms columns."""
+    cell = {"ours": _side(4.4, 33), "peer": _side(4.0, 33),
+            "paired": {"status": "ok", "rounds": 2, "fwd_ratio": 1.01, "fwdbwd_ratio": 1.06}}
+    doc = {**_doc({"full/16384": cell}), "paired_full": True}
+    text = peers.report(doc)
+    row = next(line for line in text.splitlines() if line.startswith("| full | torch SDPA | 16384"))
+    assert "1.01 ✓ ‡" in row and "1.06 ✗ ‡" in row and "1.10" not in row
+    assert "training-step time against SDPA, the calls alternating in one process: 1.060" in text
+    assert "Full attention's time ratios (‡)" in text
 
 
 def test_parent_runs_cheap_cells_more_rounds(tmp_path):
@@ -302,14 +335,17 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
                 "--out", str(out)])
     ours = [(pair, L, text) for pair, L, side, text in calls if side == "ours"]
     both = [("full", 17), ("full", 19), ("taylor", 17), ("taylor", 19)]
-    # L = 17 is cheap; full (SDPA against SDPA) gets the extra rounds at any cost
-    assert [c[:2] for c in ours] == both + both + [("full", 17), ("full", 19), ("taylor", 17)]
+    # L = 17 is cheap; full (SDPA against SDPA) adds a paired process a round, no more rounds
+    assert [c[:2] for c in ours] == both + both + [("full", 17), ("taylor", 17)]
+    assert [(pair, L) for pair, L, side, _ in calls if side == "paired"] == [("full", 17), ("full", 19)] * 2 \
+        + [("full", 17)]
     assert ours[0][2] is None and "Partial: written after pass 1 " in ours[4][2]
     assert "Partial: written after pass 2 " in ours[8][2] and "| taylor | no | 100 | 1.00 |" in ours[8][2]
     doc = json.loads(out.with_suffix(".json").read_text())
     assert [doc["cells"][f"{n}/{L}"]["ours"]["rounds"] for n in ("taylor", "full") for L in (17, 19)] \
-        == [3, 2, 3, 3]
-    assert "(3 where every round of a side took under 25 s and for full attention" in out.read_text()
+        == [3, 2, 3, 2]
+    assert "(3 where every round of a side took under 25 s: " in out.read_text()
+    assert doc["cells"]["full/19"]["paired"] == {"status": "ok", "rounds": 2}  # (the fake kept no ratios)
     assert doc["machine"]["matmul_gflops_measured"] == [100.0, 130.0, 90.0, 120.0]
     assert doc["machine"]["matmul_gflops"] == 110.0  # their median sets the floors
     assert "110.0 GFLOP/s (the median of 4 measurements" in out.read_text()
