@@ -910,16 +910,14 @@ NYSTROM_WORK = (  # {what}: a forward or a training step, with its own counts of
     "two steps only (attnzoo.mechanisms.nystrom.pinv_times; ~1.3× the float32 error of the "
     "iteration); through all six steps, or through the spectrum of AAᵀ by eigh, float32 lost "
     "30–80× its accuracy, and in float64 eigh cost what it saved (closing notes of issue 8).")
-SAME_CALL = (  # full attention: SDPA on both sides, each in processes of its own (runs from before)
-    "both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
-    "(attnzoo.attention passes them to it, nothing of ours around it): the ratio measures only how "
-    "this machine's speed differs from process to process, for a whole process (see the header), "
-    "over 3 processes a side at ~1–4 min each.")
+BOTH_SDPA = ("both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
+             "(attnzoo.attention passes them to it, nothing of ours around it)")  # full attention
+SAME_CALL = (  # each side in processes of its own (runs from before)
+    f"{BOTH_SDPA}: the ratio measures only how this machine's speed differs from process to process, "
+    "for a whole process (see the header), over 3 processes a side at ~1–4 min each.")
 PAIRED = "SDPA, the calls alternating in one process"  # (measure_paired)
-PAIRED_WHY = (
-    "both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
-    "(attnzoo.attention passes them to it, nothing of ours around it); with their calls alternating "
-    "in one process, the ratio is what the machine did differently from one call to the next.")
+PAIRED_WHY = (f"{BOTH_SDPA}; with their calls alternating in one process, the ratio is what the "
+              "machine did differently from one call to the next.")
 MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, where it does
     ("full", "fwd_s"): SAME_CALL,
     ("full", "fwdbwd_s"): SAME_CALL,
