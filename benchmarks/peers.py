@@ -644,22 +644,51 @@ def machine(threads: int) -> dict:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
             "python": platform.python_version(),
-            "matmul_gflops": matmul_rate(threads)}
+            "matmul_gflops": matmul_rate(threads), "sdpa_gflops": sdpa_rate(threads)}
 
 
 def matmul_rate(threads: int) -> float:
-    """This machine's float32 matmul rate now, GFLOP/s (it sets the FLOP floors, hence some targets)."""
+    """This machine's float32 matmul rate now, GFLOP/s (the report gives each floor at it too)."""
     return round(matmul_gflops(threads, n=2048, repeats=5), 1)
 
 
+SDPA_RATE_L = 4096  # the length SDPA's rate is measured at (B, H, D as the pairs')
+
+
+def sdpa_rate(threads: int) -> float:
+    """SDPA's rate of useful attention work now, GFLOP/s: the 4·B·H·L²·D FLOPs of its non-causal
+    float32 forward at L = SDPA_RATE_L over the call's median time. Issue 8 sets the FLOP floors
+    at it: "SDPA reaches about 110 GFLOP/s of useful attention work: the floor for every
+    mechanism is its FLOP count over that rate" (:func:`floor_rate`)."""
+    torch.set_num_threads(threads)
+    q, k, v = (torch.randn(B, H, SDPA_RATE_L, D) for _ in range(3))
+    call = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v)
+    call()
+    return round(4.0 * B * H * SDPA_RATE_L**2 * D / statistics.median(timings(call, 5)) / 1e9, 1)
+
+
+RATES = {"matmul_gflops": matmul_rate, "sdpa_gflops": sdpa_rate}  # measured before and during a run
+
+
 def remeasure_rate(doc: dict, threads: int) -> None:
-    """Adds a matmul rate measured now to the doc's and sets the rate the report uses to their
-    median: one rate measured before the run read 123.6, 177.2 and 133.1 GFLOP/s in three runs,
-    which moved the floors, and with them the targets of the cells whose peer is near 2× its floor."""
+    """Adds each rate (:data:`RATES`) measured now to the doc's and sets the rate the report uses to
+    their median: one matmul rate measured before the run read 123.6, 177.2 and 133.1 GFLOP/s in
+    three runs, which moved the floors, and with them the targets of the cells whose peer is near
+    2× its floor."""
     m = doc["machine"]
-    rates = m.setdefault("matmul_gflops_measured", [m["matmul_gflops"]])
-    rates.append(matmul_rate(threads))
-    m["matmul_gflops"] = round(statistics.median(rates), 1)
+    for key, measure in RATES.items():
+        rates = m.setdefault(f"{key}_measured", [m[key]])
+        rates.append(measure(threads))
+        m[key] = round(statistics.median(rates), 1)
+
+
+def floor_rate(doc: dict) -> tuple[float, str]:
+    """(GFLOP/s, its name) that the FLOP floors are at: SDPA's rate of useful attention work, as
+    issue 8 words it (:func:`sdpa_rate`), or, in runs from before it was measured, the matmul rate."""
+    m = doc["machine"]
+    if "sdpa_gflops" in m:
+        return m["sdpa_gflops"], "SDPA's rate"
+    return m["matmul_gflops"], "the matmul rate"
 
 
 def main_parent(args) -> None:
@@ -763,8 +792,8 @@ def _paired_ratio(cell: dict, key: str) -> float | None:
 
 
 def floor_s(pair: Pair, L: int, doc: dict) -> float | None:
-    """The pair's FLOP floor in seconds at the machine's matmul rate: the mechanism's FLOPs, plus
-    for module pairs its projections' (:func:`projection_flops`)."""
+    """The pair's FLOP floor in seconds at :func:`floor_rate`: the mechanism's FLOPs, plus for
+    module pairs its projections' (:func:`projection_flops`)."""
     spec = attnzoo.get(pair.mechanism)
     if spec.flops is None:
         return None
@@ -773,7 +802,7 @@ def floor_s(pair: Pair, L: int, doc: dict) -> float | None:
     flops = spec.flops(B, H, L, L, D, D, pair.causal, attnzoo.registry.make_options(spec, options))
     if pair.scope == "module":
         flops += projection_flops(pair, L)
-    return flops / (doc["machine"]["matmul_gflops"] * 1e9)
+    return flops / (floor_rate(doc)[0] * 1e9)
 
 
 def projection_flops(pair: Pair, L: int) -> float:
@@ -850,13 +879,22 @@ def _interleaved(doc: dict) -> str:
     return ", interleaved (round r of every cell before round r + 1 of any)" if doc.get("interleaved") else ""
 
 
-def _rates(m: dict) -> str:
-    """The report's note on the matmul rate's measurements (runs from before measured it once)."""
-    rates = m.get("matmul_gflops_measured", [])
+def _rates(m: dict, key: str = "matmul_gflops") -> str:
+    """The report's note on a rate's measurements (:data:`RATES`; runs from before measured the
+    matmul rate once)."""
+    rates = m.get(f"{key}_measured", [])
     if len(rates) < 2:
         return ""
     return (f" (the median of {len(rates)} measurements, one before the run and one after each pass "
             f"over the cells: {min(rates)}–{max(rates)})")
+
+
+def _sdpa_rate(m: dict) -> str:
+    """The report's note on SDPA's rate, where the run measured it (:func:`sdpa_rate`)."""
+    if "sdpa_gflops" not in m:
+        return ""
+    return (f"; SDPA's rate of useful attention work {m['sdpa_gflops']} GFLOP/s{_rates(m, 'sdpa_gflops')}: "
+            f"4·B·H·L²·D FLOPs of its forward at L = {SDPA_RATE_L}, B = {B}, H = {H}, D = {D}, over its time")
 
 
 def _kernel_time(cells: dict) -> str:
@@ -929,8 +967,8 @@ MISS_REASONS = {  # (pair, measure): why it misses, for the report's summary, wh
         "(the sequence brought to 256 rows before W_K and W_V: the least work) at the machine's "
         "matmul rate (ours by oneDNN's AVX-512 inner product where MKL's is slower), and "
         "the scores and values of 256 keys a query (ours in C at the FMA units' peak). Ours runs "
-        "within ~1.1× of its floor (table below); a peer's step within ~2.2× of it cannot be "
-        "halved short of ~1.1×, beyond what SDPA's own step reaches."),
+        "within ~1.1× of its floor at the matmul rate; a peer's step within ~2.2× of that floor "
+        "cannot be halved short of ~1.1×, beyond what SDPA's own step reaches."),
     ("efficient", "fwd_s"): (
         "ours is two (L × 64) by (64 × 64) products a head and the exponentials of q and k, in C "
         "(native/kernels.c); the peer's are torch's softmax and BLAS. Timed alone on the AMD EPYC "
@@ -1025,7 +1063,44 @@ def _summary(doc: dict) -> list[str]:
                      + (_floor_clause(doc, name, L, key, target * theirs) if time_ else ""))
         if (name, key) in MISS_REASONS:
             lines.append(f"  Why: {MISS_REASONS[name, key]}")
+    return lines + ([""] if missed else []) + _other_reading(doc, found)
+
+
+FLOOR_WORDS = ("This machine's float32 matmul runs at about 135 GFLOP/s, and SDPA reaches about 110 "
+               "GFLOP/s of useful attention work: the floor for every mechanism is its FLOP count over "
+               "that rate.")  # issue 8's definition of the floor
+
+
+def _other_reading(doc: dict, found: list) -> list[str]:
+    """The report's account of the floor's rate: the issue's words, SDPA's rate and the matmul
+    rate of this run, and each mark whose target the matmul rate would make another (runs
+    before 2026-11-28 read "that rate" as the matmul rate). Nothing for runs without SDPA's rate."""
+    m = doc["machine"]
+    if "sdpa_gflops" not in m:
+        return []
+    at_matmul = {**doc, "machine": {k: v for k, v in m.items() if not k.startswith("sdpa_gflops")}}
+    lines = ["### The floor's rate", "",
+             f"Issue 8: \"{FLOOR_WORDS}\" The floors here are at SDPA's rate measured in this run, "
+             f"{m['sdpa_gflops']} GFLOP/s; the matmul rate, {m['matmul_gflops']} GFLOP/s, would make every "
+             f"floor {m['sdpa_gflops'] / m['matmul_gflops']:.2f}× as long."]
+    changed = [(a, b) for a, b in zip(found, marks(at_matmul), strict=True) if a[6] != b[6]]
+    if not changed:
+        lines[-1] += " No mark's target would change."
+        return lines + [""]
+    missed = sum(b[4] / b[5] > b[6] for b in marks(at_matmul))
+    lines[-1] += (f" These marks' targets would change, and {len(found) - missed} of {len(found)} would "
+                  "meet theirs:")
+    lines.append("")
+    for (name, L, key, _, ours, theirs, here), (*_, there) in changed:
+        over = [_over_floor(d, name, L, key, theirs) for d in (doc, at_matmul)]
+        lines.append(f"- `{name}` at L = {L}, {MEASURES[key]}: {ours / theirs:.3f}; target {here:g} here "
+                     f"(the peer {over[0]:.2f}× its floor), {there:g} at the matmul rate ({over[1]:.2f}×): "
+                     f"{_met(ours / theirs, here)} here, {_met(ours / theirs, there)} there")
     return lines + [""]
+
+
+def _met(ratio: float, target: float) -> str:
+    return "met" if ratio <= target else "missed"
 
 
 def report(doc: dict) -> str:
@@ -1038,7 +1113,8 @@ def report(doc: dict) -> str:
         "",
         *_partial(doc),
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}, "
-        f"Python {m['python']}; float32 matmul {m['matmul_gflops']} GFLOP/s{_rates(m)}.{_kernel_time(cells)}",
+        f"Python {m['python']}; float32 matmul {m['matmul_gflops']} GFLOP/s{_rates(m)}{_sdpa_rate(m)}."
+        f"{_kernel_time(cells)}",
         "",
         f"Shape: B={B}, H={H}, D={D}, float32; module pairs on x (B, L, {D_MODEL}). Each side runs in "
         f"fresh processes, the side that goes first alternating from cell to cell, {doc['rounds']} round(s)"
@@ -1049,7 +1125,7 @@ def report(doc: dict) -> str:
         f"rounds){_memory_process(doc)}. Ratios are "
         "ours / peer: below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 "
         "(in time, ≤ 1.0 where the peer's own is within 2× of the FLOP floor: the forward's, or a training "
-        f"step's, {STEP_WORK:g}× it); ✓ meets it, ✗ misses it.{_paired_note(doc)}",
+        f"step's, {STEP_WORK:g}× it, at {floor_rate(doc)[1]}); ✓ meets it, ✗ misses it.{_paired_note(doc)}",
         "",
         *_summary(doc),
         "## Ours against the peer",
@@ -1098,12 +1174,12 @@ def report(doc: dict) -> str:
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Causal linear attention against its FLOP floor", "",
               "Floor: the algorithm's least work, 4·B·H·L·D·(Dv + 1) FLOPs (each key's φ(k)[v, 1]ᵀ into the "
-              "state, each query's φ(q) against it), at the measured matmul rate. "
+              f"state, each query's φ(q) against it), at {floor_rate(doc)[1]}, as every floor here. "
               "Target ≤ 3× at L = 16384.", ""]
     for L in lengths:
         c = cells.get(f"linear_causal/{L}")
         if c and "fwd_s" in c["ours"]:
-            floor = 4.0 * B * H * L * D * (D + 1) / (m["matmul_gflops"] * 1e9)
+            floor = 4.0 * B * H * L * D * (D + 1) / (floor_rate(doc)[0] * 1e9)
             lines.append(f"- L={L}: {c['ours']['fwd_s'] * 1e3:.1f} ms forward, floor {floor * 1e3:.1f} ms: "
                          f"{c['ours']['fwd_s'] / floor:.1f}× the floor")
     return "\n".join(lines) + "\n"
@@ -1131,10 +1207,13 @@ def _floor_table(doc: dict, lengths: list[int]) -> list[str]:
         return []
     return ["", "## Time over the FLOP floor", "",
             "Floor: the mechanism's least work (its registry entry's FLOPs with the pair's options, plus "
-            "a module pair's projections) at the run's matmul rate, and a training step's "
+            f"a module pair's projections) at {floor_rate(doc)[1]} ({floor_rate(doc)[0]} GFLOP/s), and a "
+            "training step's "
             f"{STEP_WORK:g}× the forward's; softmax's exponentials and the other elementwise passes are "
             "not counted. The ratio target above is 1.0 where the peer's time is within 2× of its floor, "
-            "else 0.5 (1.05 for full attention, SDPA on both sides).", "",
+            "else 0.5 (1.05 for full attention, SDPA on both sides)." + (
+                " At SDPA's rate a floor is the time of the work at SDPA's efficiency, not a bound: work of "
+                "large products runs under it." if "sdpa_gflops" in doc["machine"] else ""), "",
             "| pair | L | forward floor ms | fwd: ours × floor | peer × floor | target "
             "| training step: ours × floor | peer × floor | target |",
             "|---|---|---|---|---|---|---|---|---|", *rows]

@@ -212,6 +212,58 @@ def test_floor_counts_the_pairs_own_options():
     assert peers.floor_s(peers.PAIRS["linformer"], L, doc) == pytest.approx((work + projections) / rate)
 
 
+def test_floors_are_at_sdpas_rate_where_the_run_measured_it():
+    """Issue 8 puts the floor at SDPA's rate of useful attention work; a run from before that
+    was measured keeps its floors at the matmul rate. Targets follow: a peer at 1.9× the floor at
+    SDPA's rate is 2.4× the one at the matmul rate (target 1.0 against 0.5)."""
+    old, new = _doc({}), _doc({})
+    new["machine"]["sdpa_gflops"] = 80.0  # matmul 100
+    assert peers.floor_rate(old) == (100.0, "the matmul rate") and peers.floor_rate(new)[0] == 80.0
+    for name in ("nystrom", "linformer", "full"):
+        ratio = peers.floor_s(peers.PAIRS[name], 4096, new) / peers.floor_s(peers.PAIRS[name], 4096, old)
+        assert ratio == pytest.approx(100.0 / 80.0)
+    floor = peers.floor_s(peers.PAIRS["nystrom"], 4096, new)
+    peer = _side(1.9 * floor, 200)
+    assert peers.peer_target("nystrom", peer, 4096, new, "fwd_s") == 1.0
+    assert peers.peer_target("nystrom", peer, 4096, old, "fwd_s") == 0.5
+
+
+def test_report_says_which_marks_the_matmul_rate_would_change():
+    """Under the floor's rate, the report quotes the issue's words, both rates, and each mark
+    whose target the matmul rate would make another, met or missed under each; nothing of it
+    for a run without SDPA's rate."""
+    doc = _doc({})
+    doc["machine"]["sdpa_gflops"] = 80.0
+    floor = peers.floor_s(peers.PAIRS["nystrom"], 4096, doc)
+    doc["cells"] = {  # the peer's forward 1.9× the floor here (target 1), 2.4× at the matmul rate
+        "nystrom/4096": {"ours": _side(0.96 * floor, 40),
+                         "peer": {**_side(1.9 * floor, 200), "fwdbwd_s": 90.0}},
+    }
+    text = peers.report(doc)
+    section = text.split("### The floor's rate")[1].split("## Ours against the peer")[0]
+    assert peers.FLOOR_WORDS in section and "80.0 GFLOP/s" in section and "100.0 GFLOP/s" in section
+    assert "4 of 4 marked ratios meet their target." in text
+    assert "and 3 of 4 would meet theirs:" in section
+    line = next(line for line in section.splitlines() if line.startswith("- `nystrom`"))
+    assert line == ("- `nystrom` at L = 4096, forward time: 0.505; target 1 here (the peer 1.90× its floor), "
+                    "0.5 at the matmul rate (2.38×): met here, missed there")
+    assert len([line for line in section.splitlines() if line.startswith("- ")]) == 1  # the step: 0.5 both
+    doc["cells"]["nystrom/4096"]["peer"]["fwd_s"] = 3.0 * floor  # 0.5 under both rates
+    assert "would make every floor 0.80× as long. No mark's target would change.\n" in peers.report(doc)
+    doc["machine"].pop("sdpa_gflops")
+    assert "### The floor's rate" not in peers.report(doc)
+
+
+def test_sdpa_rate_is_useful_attention_work_over_the_median_call(monkeypatch):
+    """4·B·H·L²·D FLOPs of SDPA's forward at SDPA_RATE_L over its median time, in GFLOP/s."""
+    monkeypatch.setattr(peers, "SDPA_RATE_L", 32)
+    calls = []
+    monkeypatch.setattr(peers, "timings", lambda call, n: calls.append(call()) or [1e-6, 3e-6, 2e-6])
+    expected = 4.0 * peers.B * peers.H * 32**2 * peers.D / 2e-6 / 1e9
+    assert peers.sdpa_rate(2) == round(expected, 1)
+    assert calls[0].shape == (peers.B, peers.H, 32, peers.D)
+
+
 @pytest.mark.parametrize("pair", ["lsh", "lsh_causal"])
 def test_shared_qk_pairs_run_lsh_with_shared_qk(pair):
     """k = q and the shared_qk option (normalised keys, self penalty), as the peer's shared QK."""
@@ -328,9 +380,10 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
                 "child_s": 5.0 if L == 17 else 30.0}
 
     monkeypatch.setattr(peers, "run_child", fake_child)
-    monkeypatch.setattr(peers, "machine", lambda threads: _doc({})["machine"])  # rate 100
+    monkeypatch.setattr(peers, "machine", lambda threads: {**_doc({})["machine"], "sdpa_gflops": 80.0})
     rates = iter([130.0, 90.0, 120.0])  # measured after each pass
-    monkeypatch.setattr(peers, "matmul_rate", lambda threads: next(rates))
+    monkeypatch.setattr(peers, "RATES", {"matmul_gflops": lambda threads: next(rates),
+                                         "sdpa_gflops": lambda threads: 70.0})
     peers.main(["--only", "taylor", "--lengths", "17,19", "--rounds", "2", "--cheap-rounds", "3",
                 "--out", str(out)])
     ours = [(pair, L, text) for pair, L, side, text in calls if side == "ours"]
@@ -349,6 +402,8 @@ def test_rounds_are_interleaved_and_each_pass_is_written(tmp_path, monkeypatch):
     assert doc["machine"]["matmul_gflops_measured"] == [100.0, 130.0, 90.0, 120.0]
     assert doc["machine"]["matmul_gflops"] == 110.0  # their median sets the floors
     assert "110.0 GFLOP/s (the median of 4 measurements" in out.read_text()
+    assert doc["machine"]["sdpa_gflops_measured"] == [80.0, 70.0, 70.0, 70.0]  # (80 before the run)
+    assert "SDPA's rate of useful attention work 70.0 GFLOP/s (the median of 4" in out.read_text()
     assert "Partial" not in out.read_text() and ", interleaved" in out.read_text()
 
 
