@@ -1083,19 +1083,20 @@ def _other_reading(doc: dict, found: list) -> list[str]:
              f"Issue 8: \"{FLOOR_WORDS}\" The floors here are at SDPA's rate measured in this run, "
              f"{m['sdpa_gflops']} GFLOP/s; the matmul rate, {m['matmul_gflops']} GFLOP/s, would make every "
              f"floor {m['sdpa_gflops'] / m['matmul_gflops']:.2f}× as long."]
-    changed = [(a, b) for a, b in zip(found, marks(at_matmul), strict=True) if a[6] != b[6]]
+    there = marks(at_matmul)
+    changed = [(a, b) for a, b in zip(found, there, strict=True) if a[6] != b[6]]
     if not changed:
         lines[-1] += " No mark's target would change."
         return lines + [""]
-    missed = sum(b[4] / b[5] > b[6] for b in marks(at_matmul))
+    missed = sum(b[4] / b[5] > b[6] for b in there)
     lines[-1] += (f" These marks' targets would change, and {len(found) - missed} of {len(found)} would "
                   "meet theirs:")
     lines.append("")
-    for (name, L, key, _, ours, theirs, here), (*_, there) in changed:
+    for (name, L, key, _, ours, theirs, here), (*_, target) in changed:
         over = [_over_floor(d, name, L, key, theirs) for d in (doc, at_matmul)]
         lines.append(f"- `{name}` at L = {L}, {MEASURES[key]}: {ours / theirs:.3f}; target {here:g} here "
-                     f"(the peer {over[0]:.2f}× its floor), {there:g} at the matmul rate ({over[1]:.2f}×): "
-                     f"{_met(ours / theirs, here)} here, {_met(ours / theirs, there)} there")
+                     f"(the peer {over[0]:.2f}× its floor), {target:g} at the matmul rate ({over[1]:.2f}×): "
+                     f"{_met(ours / theirs, here)} here, {_met(ours / theirs, target)} there")
     return lines + [""]
 
 
