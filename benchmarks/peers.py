@@ -656,15 +656,18 @@ SDPA_RATE_L = 4096  # the length SDPA's rate is measured at (B, H, D as the pair
 
 
 def sdpa_rate(threads: int) -> float:
-    """SDPA's rate of useful attention work now, GFLOP/s: the 4·B·H·L²·D FLOPs of its non-causal
-    float32 forward at L = SDPA_RATE_L over the call's median time. Issue 8 sets the FLOP floors
+    """SDPA's rate of useful attention work now, GFLOP/s: the FLOPs of its non-causal float32
+    forward at L = SDPA_RATE_L (full attention's registry count, 4·B·H·L²·D, the one its floor
+    takes) over the call's median time. Issue 8 sets the FLOP floors
     at it: "SDPA reaches about 110 GFLOP/s of useful attention work: the floor for every
     mechanism is its FLOP count over that rate" (:func:`floor_rate`)."""
     torch.set_num_threads(threads)
     q, k, v = (torch.randn(B, H, SDPA_RATE_L, D) for _ in range(3))
     call = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v)
     call()
-    return round(4.0 * B * H * SDPA_RATE_L**2 * D / statistics.median(timings(call, 5)) / 1e9, 1)
+    full = attnzoo.get("full")
+    flops = full.flops(B, H, SDPA_RATE_L, SDPA_RATE_L, D, D, False, attnzoo.registry.make_options(full, {}))
+    return round(flops / statistics.median(timings(call, 5)) / 1e9, 1)
 
 
 RATES = {"matmul_gflops": matmul_rate, "sdpa_gflops": sdpa_rate}  # measured before and during a run
