@@ -139,8 +139,10 @@ def fused_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 
 def fused_kernel_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`fused_partial` (and the fused band forward) can run: on the CPU, float32
-    or float64, Dv = D."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and v.shape[-1] == q.shape[-1]
+    or float64, Dv = D, each last dimension of stride 1 (the kernel reads rows as dense: given
+    a strided one it computed wrong answers, where the public SDPA copies first)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and v.shape[-1] == q.shape[-1] and all(t.stride(-1) == 1 for t in (q, k, v)))
 
 
 KEY_BLOCK = 512  # keys per block of FewQueries' backward: (B, H, m, 512) products, 4 MiB at m = 256

@@ -546,9 +546,10 @@ def kernel_attention(q, k, v, phi_q, phi_k, *, width, causal, key_mask, eps, chu
             out, S, z = ran
         elif traced and not maps_traced:
             out, S, z = _CausalBlocks.apply(q_al, k_al, v_al, S, z, m_al, step, rows)
-        else:  # inference, or autograd through the maps' tensors
+        else:  # inference, or autograd through the maps' tensors; a scratch only without grad
+            # mode, where join_blocks copies each block out before the next overwrites it
             out, S, z = _causal_run(q_al, k_al, v_al, (S, z), m_al, step, rows,
-                                    scratch=None if traced else Scratch(q))
+                                    scratch=None if torch.is_grad_enabled() else Scratch(q))
     if blind:  # queries before the first key see nothing
         out = torch.cat([v.new_zeros(*q_blind.shape[:3], v.shape[-1]), out], 2)
     return out, LinearState(torch.cat([S, z.unsqueeze(-1)], -1))
