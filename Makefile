@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch is pinned: 2.13.0 is the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[cli,dev]"
 	touch $(STAMP)
 
 bench: $(STAMP)
@@ -22,9 +22,15 @@ list: $(STAMP)
 patterns: $(STAMP)
 	$(VENV)/bin/attnzoo patterns
 
+# The suite with the CPU backend, then the mechanisms' tests with every override off
+# (ATTNZOO_FAST=0: the portable code, as a GPU runs it).
+PORTABLE_TESTS = tests/test_differential.py tests/test_nn.py $(filter-out tests/test_cli.py tests/test_readme.py \
+	tests/test_layers.py tests/test_differential.py tests/test_nn.py,$(wildcard tests/test_*.py))
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
+	ATTNZOO_FAST=0 $(PY) -m pytest $(PORTABLE_TESTS)
 
 # Peers for benchmarks/peers.py: the `peers` group of pyproject.toml, each with --no-deps
 # (their small dependencies are listed in the group by name), so torch 2.13.0 never moves.

@@ -164,23 +164,21 @@ def check_input_errors(name, **options):
 
 
 def record_band_calls(monkeypatch) -> list[str]:
-    """The fused band's forward and backward (``_Band.fused_forward`` / ``fused_backward``), named
-    in a list as they compute (fused_forward returns None where it leaves the work to the
-    groups: not named): tests clear it, run a mechanism, and read which path it took."""
-    from attnzoo.mechanisms import _common
+    """The CPU backend's fused band (:mod:`attnzoo.backends.cpu.windows`), its ``forward`` and
+    ``backward`` named in a list as they run: tests clear it, run a mechanism, and read which
+    path it took (none named: the portable windows)."""
+    from attnzoo.backends.cpu import windows
 
     calls = []
 
     def recording(method):
-        original = getattr(_common._Band, method)
+        original = getattr(windows._Band, method)
 
         def call(self, *args):
-            result = original(self, *args)
-            if result is not None:
-                calls.append(method)
-            return result
+            calls.append(method)
+            return original(self, *args)
         return call
 
-    for method in ("fused_forward", "fused_backward"):
-        monkeypatch.setattr(_common._Band, method, recording(method))
+    for method in ("forward", "backward"):
+        monkeypatch.setattr(windows._Band, method, recording(method))
     return calls

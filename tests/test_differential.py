@@ -17,8 +17,9 @@ hypothesis draws, for every mechanism:
 The fast call is compared with the reference on the same float32 inputs; the tolerance is a
 multiple of the float32 reference's own error against the float64 reference (the golden), as
 PyTorch's flex-attention tests set theirs. At small sizes the same checks run in float64 with
-tight tolerances. Whichever path ``attnzoo.attention`` takes (the CPU backend's overrides, or
-the portable one under ``ATTNZOO_FAST=0``: CI runs this file both ways) must pass.
+tight tolerances. Both paths are held to the reference in one process: the default one (the
+CPU backend's overrides where they apply) and the portable one (``attnzoo.ops.portable()``,
+what a GPU and ``ATTNZOO_FAST=0`` run).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnzoo
+from attnzoo import ops
 
 from mechanism_checks import DEVICE
 
@@ -129,9 +131,13 @@ def call_inputs(xs, case):
     return out
 
 
-def run(name, xs, key_mask, case, *, reference, dtype=None):
+def run(name, xs, key_mask, case, *, reference, dtype=None, portable=False):
     """Output and the gradients of the leaves ``xs`` for one upstream gradient (None where the
-    grad mode asks none), optionally all in ``dtype`` (the golden's float64)."""
+    grad mode asks none), optionally all in ``dtype`` (the golden's float64); with ``portable``,
+    every operation by its portable body (no backend override)."""
+    if portable:
+        with ops.portable():
+            return run(name, xs, key_mask, case, reference=reference, dtype=dtype)
     mode = case["grad_mode"]
     if dtype is not None:
         xs = [x.detach().to(dtype).requires_grad_(x.requires_grad) for x in xs]
@@ -158,27 +164,38 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(name, case):
+    """The default path (the backend's overrides where they apply) and the portable one, each
+    against the reference: outputs, and the gradients the grad mode asks for."""
     generator = torch.Generator().manual_seed(case["seed"])
     xs, key_mask = leaves(case, generator)
-    fast, fast_grads = run(name, xs, key_mask, case, reference=False)
     ref, ref_grads = run(name, xs, key_mask, case, reference=True)
-    B, H, Lq = case["B"], case["H"], case["Lq"]
-    assert fast.shape == (B, H, Lq, case["D"]) and fast.dtype == case["dtype"]
-    assert torch.isfinite(fast).all(), f"{name}: non-finite output in {case}"
-    pairs = [("output", fast, ref)]
-    if fast_grads is not None:
-        pairs += [(f"grad {i}", f, r) for i, (f, r) in enumerate(zip(fast_grads, ref_grads, strict=True))]
-    if case["dtype"] == torch.float64:
-        for label, f, r in pairs:
+    golden = None
+    if case["dtype"] == torch.float32:
+        golden = run(name, xs, key_mask, case, reference=True, dtype=torch.float64)
+    for path in ("default", "portable"):
+        out, grads = run(name, xs, key_mask, case, reference=False, portable=path == "portable")
+        B, H, Lq = case["B"], case["H"], case["Lq"]
+        assert out.shape == (B, H, Lq, case["D"]) and out.dtype == case["dtype"]
+        assert torch.isfinite(out).all(), f"{name} ({path}): non-finite output in {case}"
+        _compare(f"{name} ({path})", case, (out, grads), (ref, ref_grads), golden)
+
+
+def _compare(label, case, got, ref, golden):
+    """``got`` = (out, grads) against the reference's: in float64 to tight tolerances; in float32
+    within 20x the float32 reference's own error against the float64 ``golden``."""
+    pairs = [("output", got[0], ref[0])]
+    if got[1] is not None:
+        pairs += [(f"grad {i}", f, r) for i, (f, r) in enumerate(zip(got[1], ref[1], strict=True))]
+    if golden is None:
+        for what, f, r in pairs:
             torch.testing.assert_close(f, r, atol=1e-9, rtol=1e-7,
-                                       msg=lambda m, label=label: f"{name} {label} {case}: {m}")
+                                       msg=lambda m, what=what: f"{label} {what} {case}: {m}")
         return
-    golden, golden_grads = run(name, xs, key_mask, case, reference=True, dtype=torch.float64)
-    goldens = [golden] + (golden_grads or [])
-    for (label, f, r), gold in zip(pairs, goldens, strict=True):
+    goldens = [golden[0]] + (golden[1] or [])
+    for (what, f, r), gold in zip(pairs, goldens, strict=True):
         own = rel_err(r, gold)  # the float32 reference's own error
         err = rel_err(f, gold)
-        assert err <= 20 * own + 1e-5, f"{name} {label}: error {err:.3g} against the golden " \
+        assert err <= 20 * own + 1e-5, f"{label} {what}: error {err:.3g} against the golden " \
             f"(the float32 reference's: {own:.3g}) in {case}"
 
 

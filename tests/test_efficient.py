@@ -59,15 +59,3 @@ def test_saturated_softmaxes_stay_exact(masked):
                          strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7)
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_the_eager_engine_where_the_c_kernels_are_off(monkeypatch, masked):
-    """The tests above run the C kernels where they build (attnzoo._native); the eager engine,
-    which runs where they cannot, against the reference: unequal odd lengths, padding, D != Dv,
-    gradients and gradcheck."""
-    monkeypatch.setenv("ATTNZOO_NATIVE", "0")
-    for seed, (Lq, Lk, D, Dv) in enumerate([(9, 14, 8, 5), (6, 3, 17, 8), (1, 5, 3, 1)]):
-        check_against_reference("efficient", B=2, H=3, Lq=Lq, Lk=Lk, D=D, Dv=Dv, masked=masked, seed=seed)
-    check_gradcheck("efficient", masked=masked, Lq=5, Lk=7)
-    test_saturated_softmaxes_stay_exact(masked)

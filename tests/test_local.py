@@ -4,15 +4,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms import _common
+from attnzoo import ops
+from attnzoo.mechanisms import _windows
+from attnzoo.mechanisms._windows import window_partial
 
-from mechanism_checks import (
-    cases,
-    check_against_reference,
-    check_equals_full,
-    check_gradcheck,
-    record_band_calls,
-)
+from mechanism_checks import cases, check_against_reference, check_equals_full, check_gradcheck
 
 local_cases = cases(window=st.integers(1, 12), block=st.none() | st.integers(1, 9))
 
@@ -23,35 +19,48 @@ def test_local_matches_reference(case):
     check_against_reference("local", **case)
 
 
-def test_local_in_groups_of_query_blocks(monkeypatch):
-    monkeypatch.setattr(_common, "SCORES_PER_CHUNK", 20)  # one or two query blocks at a time
-    for causal in (False, True):
-        check_against_reference("local", Lq=19, Lk=23, causal=causal, masked=True,
-                                options={"window": 5, "block": 3})
+def test_local_in_chunks_of_query_blocks(monkeypatch):
+    """The portable engine's scores go in chunks of query blocks: one or two blocks a chunk."""
+    monkeypatch.setattr(_windows, "SCORES_PER_CHUNK", 20)
+    with ops.portable():
+        for causal, masked in [(False, True), (True, True), (False, False), (True, False)]:
+            check_against_reference("local", Lq=19, Lk=23, causal=causal, masked=masked,
+                                    options={"window": 5, "block": 3})
+            check_against_reference("local", Lq=23, Lk=23, causal=causal, masked=masked,
+                                    options={"window": 5, "block": 3})
 
 
-@pytest.mark.parametrize("scores_per_chunk", [2**20, 20])  # backward: all heads at once, one by one
-def test_fused_band_equals_the_groups(monkeypatch, scores_per_chunk):
-    """window_partial's fused SDPA forward and backward (no padding keys, Dv = D) against the
-    reference, in float64: sequence shorter than a window, ragged last block, bands one-sided
-    and two; the backward by the fused kernel where lse is unused (local), by the groups where
-    it merges (strided, fixed)."""
-    monkeypatch.setattr(_common, "SCORES_PER_CHUNK", scores_per_chunk)
-    calls = record_band_calls(monkeypatch)
-    for Lq, Lk, window, block, causal in [(37, 37, 5, 4, False), (37, 37, 9, 8, True),
-                                          (6, 6, 12, 3, False), (19, 29, 7, None, True),
-                                          (29, 29, 1, 5, False), (64, 64, 16, 16, True)]:
-        calls.clear()
-        check_against_reference("local", Lq=Lq, Lk=Lk, causal=causal,
-                                options={"window": window, "block": block}, device="cpu")
-        assert calls == ["fused_forward", "fused_backward"], calls
-    check_gradcheck("local", Lq=6, Lk=6, causal=True, options={"window": 3, "block": 2}, device="cpu")
-    for name in ("strided", "fixed"):
-        for causal in (False, True):
-            calls.clear()
-            check_against_reference(name, Lq=33, Lk=33, causal=causal, options={"stride": 4},
-                                    device="cpu")
-            assert "fused_forward" in calls and "fused_backward" not in calls
+@pytest.mark.parametrize("lse_grad", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_partial_with_its_scale_matches_the_dense_band(causal, lse_grad):
+    """The engine's partial (o, lse) with a scale against the dense masked softmax of the band, in
+    float64, and the gradients of o alone or of o and lse (a factorized pattern merges lse):
+    in chunks of several query blocks, a ragged last block."""
+    g = torch.Generator().manual_seed(1)
+    L, left, right, scale = 37, 6, 0 if causal else 5, 0.3
+    q, k, v = (torch.randn(2, 3, L, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    allowed = lambda i, j: (j >= i - left) & (j <= i + right)  # noqa: E731
+    with ops.portable():
+        o, lse = window_partial(q, k, v, None, block=4, left=left, right=right, allowed=allowed, scale=scale)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed(i, j), float("-inf"))
+    o_ref, lse_ref = torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+    torch.testing.assert_close((o, lse), (o_ref, lse_ref))
+    w_o, w_lse = (torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (o, lse))
+    loss = lambda o, lse: (o * w_o).sum() + ((lse * w_lse).sum() if lse_grad else 0)  # noqa: E731
+    grads = torch.autograd.grad(loss(o, lse), (q, k, v))
+    torch.testing.assert_close(grads, torch.autograd.grad(loss(o_ref, lse_ref), (q, k, v)))
+
+
+def test_window_partial_query_without_keys():
+    """A band that leaves a query no key (strictly before itself: query 0) gives it o = 0 and
+    lse = -inf, and no gradient, not nan."""
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    o, lse = window_partial(q, k, v, None, block=4, left=3, right=0, allowed=lambda i, j: j < i, scale=0.5)
+    assert (o[:, :, 0] == 0).all() and (lse[:, :, 0] == float("-inf")).all()
+    assert torch.isfinite(lse[:, :, 1:]).all()
+    grads = torch.autograd.grad(o.sum(), (q, k, v))
+    assert all(torch.isfinite(t).all() for t in grads) and (grads[0][:, :, 0] == 0).all()
 
 
 def test_local_window_covering_everything_equals_full():

@@ -63,13 +63,3 @@ def test_convolutional_queries_and_keys():
         attnzoo.MultiheadAttention(8, 2, mechanism="log_sparse", kernel_size=0)
     with pytest.raises(ValueError, match="unknown option"):
         attnzoo.MultiheadAttention(8, 2, mechanism="full", kernel_size=3)
-
-
-@pytest.mark.parametrize("scores", [40, 144])  # B·H·D = 48: one position a block; 3 (the last 2)
-def test_log_sparse_in_blocks_of_positions(monkeypatch, scores):
-    """Blocks reuse one scratch's buffers, a last shorter block its own."""
-    from attnzoo.mechanisms import log_sparse
-    monkeypatch.setattr(log_sparse, "SCORES_PER_CHUNK", scores)
-    for causal in (False, True):
-        check_against_reference("log_sparse", Lq=19, Lk=23, causal=causal, masked=True,
-                                options={"local": 2, "restart": 7})

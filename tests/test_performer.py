@@ -75,3 +75,16 @@ def test_given_features_must_be_on_the_inputs_device():
 
 def test_performer_gradcheck():
     check_gradcheck("performer", causal=True, masked=True, Lq=6, Lk=6, options={"nb_features": 5})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_features_that_require_grad_get_it(causal):
+    """Random features passed as a trainable tensor get their gradient, the reference's (causal:
+    over several chunks)."""
+    q, k, v, km = random_inputs(B=2, H=2, Lq=5, Lk=6, D=4, masked=True, requires_grad=True)
+    W = torch.randn(8, 4, dtype=torch.float64, device=q.device, requires_grad=True)
+    grads = [torch.autograd.grad(attnzoo.attention(q, k, v, mechanism="performer", features=W, chunk=2,
+                                                   causal=causal, key_mask=km, reference=ref).sum(), W)[0]
+             for ref in (False, True)]
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-10, rtol=1e-8)

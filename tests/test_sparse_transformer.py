@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo
-from attnzoo.mechanisms import _common, sparse_transformer
-from attnzoo.mechanisms._common import fused_partial
+from attnzoo import ops
+from attnzoo.mechanisms import _windows, sparse_transformer
 
 from mechanism_checks import cases, check_against_reference, check_equals_full, check_gradcheck
 
@@ -39,42 +39,18 @@ def test_a2_in_chunks(monkeypatch, name):
 
 @pytest.mark.parametrize("name", ["strided", "fixed"])
 def test_without_autograd(monkeypatch, name):
-    """Without autograd each part is written into its place in one result as it comes (A2's
-    residue classes and query chunks, the band's kernel pieces, the merge): the reference's
-    results, with several parts of each."""
+    """Without autograd, every part in several chunks (A2's residue classes and query rows, the
+    band's query blocks), joined and merged: the reference's results."""
     monkeypatch.setattr(sparse_transformer, "A2_SCORES_PER_CHUNK", 16)
-    monkeypatch.setattr(sparse_transformer, "FUSED_A2_MASK", 24)
-    monkeypatch.setattr(_common, "BAND_PIECE", 2 * 3 * 4 * 8)  # one query block (B·H·4·Dv) a piece
-    with torch.no_grad():
+    monkeypatch.setattr(_windows, "SCORES_PER_CHUNK", 2 * 3 * 4 * 8)
+    with torch.no_grad(), ops.portable():
         for causal, masked, heads in itertools.product((False, True), repeat=3):
             options = {"stride": 4, "heads": "union" if heads else "split"}
             options |= {"c": 2} if name == "fixed" else {}
             check_against_reference(name, Lq=21, Lk=23, D=8, causal=causal, masked=masked,
                                     options=options, backward=False)
-
-
-@pytest.mark.parametrize("mask_entries", [2**20, 24])
-def test_fixed_a2_by_the_fused_kernel(monkeypatch, mask_entries):
-    """Without autograd and padding keys, A2 goes through torch's fused kernel (24 mask
-    entries: a few rows a chunk), and must give what the reference does."""
-    calls = []
-
-    def counted(*args):
-        calls.append(1)
-        return fused_partial(*args)
-
-    monkeypatch.setattr(sparse_transformer, "FUSED_A2_MASK", mask_entries)
-    monkeypatch.setattr(sparse_transformer, "fused_partial", counted)
-    for causal in (False, True):
-        for heads in ("union", "split"):
-            for L, stride, c in ((23, 4, 2), (24, 6, 3), (5, 8, 1)):
-                options = {"stride": stride, "c": c, "heads": heads}
-                check_against_reference("fixed", Lq=L, Lk=L, causal=causal, options=options,
-                                        backward=False, device="cpu")
-    assert len(calls) >= 12  # every case
-    calls.clear()
-    check_against_reference("fixed", Lq=23, Lk=23, options={"stride": 4})  # autograd: not fused
-    assert not calls
+            check_against_reference(name, Lq=23, Lk=23, D=8, causal=causal, masked=masked,
+                                    options=options, backward=False)
 
 
 def test_fixed_with_larger_c():

@@ -8,7 +8,8 @@ True
 # Importing the subpackage registers the built-in mechanisms; it comes first so that the
 # function `mechanisms` below, not the subpackage, is what `attnzoo.mechanisms` names.
 import attnzoo.mechanisms as _builtin  # noqa: F401  isort: skip
-from attnzoo._pages import empty_cache
+import attnzoo.backends.cpu as _cpu_backend  # noqa: F401  isort: skip  (registers its overrides)
+from attnzoo.backends.cpu.memory import empty_cache
 from attnzoo.nn import MultiheadAttention
 from attnzoo.registry import attention, connectivity, get, mechanisms
 

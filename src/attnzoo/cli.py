@@ -7,10 +7,13 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from rich.console import Console
-from rich.table import Table
-
 import attnzoo
+
+try:
+    from rich.console import Console
+    from rich.table import Table
+except ImportError as missing:  # the library needs torch alone; its command needs the `cli` extra
+    raise SystemExit(f"the attnzoo command needs {missing.name}: pip install 'attnzoo[cli]'") from missing
 
 
 def _yes(flag: bool) -> str:
@@ -26,7 +29,7 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
     table = Table(title="attnzoo mechanisms", show_lines=False)
     table.add_column("name", no_wrap=True, style="bold")
     table.add_column("what", overflow="fold", ratio=3)
-    for col in ("causal", "cross", "mask", "step"):
+    for col in ("causal", "cross", "mask", "step", "random"):
         table.add_column(col, justify="center", no_wrap=True)
     table.add_column("time", no_wrap=True)
     table.add_column("memory", overflow="fold", ratio=1)
@@ -36,10 +39,11 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
         spec = attnzoo.get(name)
         caps = spec.capabilities
         table.add_row(name, spec.summary, _yes(caps.causal), _yes(caps.cross), _yes(caps.key_mask),
-                      _yes(caps.recurrent), spec.time, spec.memory, _option_text(spec),
-                      spec.citation)
+                      _yes(caps.recurrent), _yes(spec.randomized), spec.time, spec.memory,
+                      _option_text(spec), spec.citation)
     console.print(table)
-    console.print("causal / cross (Lq ≠ Lk) / mask (key_mask) / step (recurrent decoding)")
+    console.print("causal / cross (Lq ≠ Lk) / mask (key_mask) / step (recurrent decoding) / "
+                  "random (draws from the generator)")
     return 0
 
 

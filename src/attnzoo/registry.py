@@ -28,6 +28,7 @@ __all__ = [
     "Capabilities",
     "Mechanism",
     "attention",
+    "check_on_device",
     "connectivity",
     "get",
     "make_options",
@@ -116,6 +117,14 @@ def make_options(spec: Mechanism, options: dict[str, Any]):
             f"{spec.name}: unknown option(s) {', '.join(unknown)}; its options are: {known}"
         )
     return spec.options(**options)
+
+
+def check_on_device(mechanism: str, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t``, a tensor the user gave as an option, once checked to be on the inputs' device (a
+    clear error, where moving it would hide a copy in every call)."""
+    if t.device != like.device:
+        raise ValueError(f"{mechanism}: {name} is on {t.device} but the inputs are on {like.device}")
+    return t
 
 
 def _check_qkv(q, k, v) -> None:

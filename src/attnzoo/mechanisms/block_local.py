@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import pattern_reference, softmax_scale, window_attention, window_flops
+from attnzoo.mechanisms._softmax import softmax_scale
+from attnzoo.mechanisms._windows import pattern_reference, window_attention, window_flops
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -42,7 +43,7 @@ def block_local_attention(q, k, v, opts=BlockLocalOptions(), *, causal=False, ke
     Lq != Lk the queries are the last Lq positions and blocks count from position 0 of
     max(Lq, Lk). Cost O(L·w·(1 + look_backward + look_forward)·D) time and O(L·w) memory,
     never L×L: each query block is one block of
-    :func:`~attnzoo.mechanisms._common.window_partial` (its keys a view).
+    :func:`~attnzoo.mechanisms._windows.window_partial`.
     Parmar et al., Image Transformer, 2018 (local 1D attention); as lucidrains'
     local-attention ``LocalAttention(window_size=w, look_backward, look_forward)`` with its
     defaults (``exact_windowsize=False``: a causal query sees all of the blocks before it,

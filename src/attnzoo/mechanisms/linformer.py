@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.mechanisms._common import few_keys_attention, given_on_device, softmax_scale
+from attnzoo.mechanisms._few import attend_few_keys
+from attnzoo.mechanisms._softmax import softmax_scale
 from attnzoo.mechanisms.full import softmax_reference
-from attnzoo.registry import Capabilities, Mechanism, register
+from attnzoo.registry import Capabilities, Mechanism, check_on_device, register
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def projections(opts: LinformerOptions, Lk: int, like: torch.Tensor,
         if t.shape[1] < Lk:
             raise ValueError(f"linformer: {name} has {t.shape[1]} columns but Lk = {Lk}; it needs "
                              f">= Lk (in MultiheadAttention: max_len >= the sequence length)")
-        return given_on_device("linformer", name, t, like)[:, :Lk].to(like.dtype)
+        return check_on_device("linformer", name, t, like)[:, :Lk].to(like.dtype)
 
     def draw():
         E = torch.randn(opts.proj_len, Lk, generator=generator, device=like.device)
@@ -53,6 +54,7 @@ def projections(opts: LinformerOptions, Lk: int, like: torch.Tensor,
 
 
 def _project(E, F_, k, v, key_mask):
+    """(E K, F V): (B, H, proj_len, D), (B, H, proj_len, Dv)."""
     if key_mask is not None:  # padded keys and values are zeroed before projecting
         keep = key_mask[:, None, :, None].to(k.dtype)
         k, v = k * keep, v * keep
@@ -64,15 +66,15 @@ def linformer_attention(q, k, v, opts=LinformerOptions(), *, causal=False, key_m
     """softmax(Q (E K)ᵀ · scale) (F V), E, F ∈ R^{proj_len × Lk}.
 
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
-    Cost O(Lk·proj_len·D + Lq·proj_len·D) time, O(L·proj_len) memory at most (the
-    projected attention runs in C, or SDPA's fused kernel: :func:`few_keys_attention`).
+    Cost O(Lk·proj_len·D + Lq·proj_len·D) time, O(L·proj_len) memory at most (the queries
+    attend to the proj_len projected keys by :func:`~attnzoo.mechanisms._few.attend_few_keys`).
     Padded keys and values are zeroed before projecting. Non-causal only: every
     projected row mixes all positions. Wang et al., Linformer: Self-Attention with
     Linear Complexity, 2020.
     """
     E, F_ = projections(opts, k.shape[2], k, generator)
     EK, FV = _project(E, F_, k, v, key_mask)
-    return few_keys_attention(q, EK, FV, softmax_scale(q, scale))
+    return attend_few_keys(q, EK, FV, softmax_scale(q, scale))
 
 
 def linformer_reference(q, k, v, opts=LinformerOptions(), *, causal=False, key_mask=None,
@@ -110,19 +112,16 @@ class LinformerLayerOptions:
     def forward(self, layer, x, memory, key_mask):
         """The layer's output, with E and F applied before the key and value projections:
         E(X W_Kᵀ + 1 b_Kᵀ) = (E X) W_Kᵀ + (E 1) b_Kᵀ, the paper's E_i K W_i^K read from the left.
-        Of the keys' and values' projections only proj_len rows are computed, not Lk: at
-        Lk = 16384, proj_len 256 and d_model 512 the layer's forward needs 1/3 fewer FLOPs.
-        Training self-attention takes q, E X and F X from one function, whose backward sums
-        x's three gradients in place; otherwise the queries go through ``layer.in_query_blocks``
-        (each query attends to the same proj_len keys). Both attend by :func:`_attend`. Padded keys
+        Of the keys' and values' projections only proj_len rows are computed, not Lk.
+        Training self-attention takes q, E X and F X from one ``layer._project`` of x; otherwise
+        the queries go through ``layer.in_query_blocks`` (each query attends to the same
+        proj_len keys). Both attend by :func:`_attend`. Padded keys
         are zeroed before projecting, as in :func:`linformer_attention`: E's columns of
         padding are zeroed instead.
 
         x (B, Lq, d_model), memory (B, Lk, d_model) (x itself in self-attention), key_mask
         (B, Lk) or None. Returns (B, Lq, d_model).
         """
-        from attnzoo.nn import _project
-
         opts = LinformerOptions(**layer._call_options(memory.device))
         E, F_ = projections(opts, memory.shape[1], memory, None)
         if key_mask is not None:
@@ -130,20 +129,20 @@ class LinformerLayerOptions:
             E, F_ = E * keep, (None if F_ is E else F_ * keep)  # (B, proj_len, Lk)
         row_maps = [E] if F_ is None or F_ is E else [E, F_]
         fused = memory is x and torch.is_grad_enabled()
-        q, *PX = _project(x, [layer.q_proj], row_maps) if fused else (None, *_project(memory, [], row_maps))
+        # q (B, Lq, d_model) or None; PX: E X and F X (B, proj_len, d_model), or E X alone
+        q, *PX = (layer._project(x, [layer.q_proj], row_maps) if fused
+                  else (None, *layer._project(memory, [], row_maps)))
         k, v = (layer._split(_linear_of_rows(P, PX_, proj)) for P, PX_, proj in
                 ((row_maps[0], PX[0], layer.k_proj), (row_maps[-1], PX[-1], layer.v_proj)))
         if fused:
             return layer._merge(_attend(layer._split(q), k, v))
-        return layer.in_query_blocks(x, lambda rows: _attend(layer._split(_project(rows, [layer.q_proj])[0]),
-                                                             k, v))
+        return layer.in_query_blocks(
+            x, lambda rows: _attend(layer._split(layer._project(rows, [layer.q_proj])[0]), k, v))
 
 
 def _attend(q, k, v):
-    """softmax(q kᵀ/√D) v over the proj_len keys: :func:`few_keys_attention` (in C where it runs;
-    without autograd the layer's forward, in query blocks, took SDPA's fused kernel: at L = 4096
-    53 -> 50 ms, at 16384 204-207 -> 193-197, alternating processes)."""
-    return few_keys_attention(q, k, v, softmax_scale(q, None))
+    """softmax(q kᵀ/√D) v over the proj_len keys (:func:`~attnzoo.mechanisms._few.attend_few_keys`)."""
+    return attend_few_keys(q, k, v, softmax_scale(q, None))
 
 
 def _linear_of_rows(P, PX, linear):

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._common import pattern_reference, softmax_scale, window_attention, window_flops
+from attnzoo.mechanisms._softmax import softmax_scale
+from attnzoo.mechanisms._windows import pattern_reference, window_attention, window_flops
 from attnzoo.registry import Capabilities, Mechanism, register
 
 

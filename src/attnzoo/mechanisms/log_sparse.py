@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo._pages import Scratch, fresh_empty, fresh_like, scratch_buffer
-from attnzoo.mechanisms._common import SCORES_PER_CHUNK, last_rows, pattern_reference, softmax_scale, to_frame
+from attnzoo.mechanisms._softmax import softmax_scale, wide
+from attnzoo.mechanisms._windows import last_rows, pattern_reference, to_frame
 from attnzoo.mechanisms.full import masked_softmax
+from attnzoo.ops import operation
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -64,122 +65,60 @@ def log_sparse_attention(q, k, v, opts=LogSparseOptions(), *, causal=False, key_
     encoders. Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) ->
     (B, H, Lq, Dv); with Lq != Lk the queries are the last Lq positions.
     Cost O(L·(local + log L)·D) time and O(L·(local + log L)) memory: one score per
-    offset from shifted views of K and V, never an L×L mask, in blocks of positions
-    that stay in cache.
+    offset (:func:`offset_attention`), never an L×L mask.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
-    plan = _Offsets(_signed_offsets(opts, q.shape[2], causal), q.shape[2], opts.restart, key_valid)
-    q = q * softmax_scale(q, scale)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        out = plan.forward(q, k, v)  # through autograd
-    else:
-        out = _OffsetAttention.apply(q, k, v, plan)
-    return last_rows(out, Lq)
+    N = q.shape[2]
+    offsets = _signed_offsets(opts, N, causal)
+    valid = _offset_valid(offsets, N, opts.restart, key_valid, q.device)
+    out = offset_attention(q, k, v, valid, offsets=offsets, scale=softmax_scale(q, scale))
+    return last_rows(out, Lq).to(q.dtype)
 
 
-class _Offsets:
-    """log_sparse's computation: for blocks of positions that stay in cache, one score per
-    offset d from the keys shifted by d (i − d), a softmax over the offsets, and the weighted
-    shifted values. Each offset reads only the rows where i − d lies in the sequence: a
-    block's queries before (or after) them get no key at that offset (a masked score, weight 0),
-    and no padded copy of K and V is made (zero-padded by the largest offset on both sides, at
-    L = 16384 they were 64 MiB each, zero-filled and faulted in afresh on every call)."""
-
-    def __init__(self, offsets, N, restart, key_valid):
-        self.offsets, self.N, self.restart, self.key_valid = offsets, N, restart, key_valid
-
-    def blocks(self, B, H, D):
-        """(s, e, shifts) for each block of positions s..e−1: shifts lists, for each offset that
-        reaches a key from the block, (n, rows, keys), n the offset's index, rows its queries
-        within the block and keys their keys i − d (slices of equal length)."""
-        rows = max(1, SCORES_PER_CHUNK // (B * H * D))  # positions a block
-        for s in range(0, self.N, rows):
-            e = min(self.N, s + rows)
-            shifts = []
-            for n, d in enumerate(self.offsets):
-                lo, hi = max(s, d), min(e, self.N + d)  # the block's queries whose key i − d exists
-                if lo < hi:
-                    shifts.append((n, slice(lo - s, hi - s), slice(lo - d, hi - d)))
-            yield s, e, shifts
-
-    def weights(self, q_blk, k, s, e, shifts, scratch=None):
-        """(B, H, n, n_offsets) softmax over the offsets of the block's queries; rows with no key 0."""
-        scores = _offset_dots(q_blk, k, shifts, len(self.offsets), scratch, "scores")
-        i = torch.arange(s, e, device=q_blk.device)[:, None]
-        j = i - torch.tensor(self.offsets, device=q_blk.device)  # (n, n_offsets) key positions
-        valid = (j >= 0) & (j < self.N)
-        if self.restart is not None:
-            valid = valid & (j // self.restart == i // self.restart)
-        if self.key_valid is not None:
-            valid = valid & self.key_valid[:, j.clamp(0, self.N - 1)][:, None]  # (B, 1, n, n_offsets)
-        return masked_softmax(scores, valid)
-
-    def forward(self, q, k, v, scratch=None):
-        """(B, H, N, Dv), block by block; the blocks' temporaries in ``scratch`` if given (not
-        under autograd). Offset 0 (always the first) reaches every query: it starts each block."""
-        B, H, N, D = q.shape
-        out = fresh_empty(B, H, N, v.shape[-1], like=q)
-        for s, e, shifts in self.blocks(B, H, D):
-            w = self.weights(q[:, :, s:e], k, s, e, shifts, scratch)
-            block = torch.mul(w[..., 0, None], v[:, :, s:e],
-                              out=scratch_buffer(scratch, "block", (B, H, e - s, v.shape[-1])))
-            for n, rows, keys in shifts[1:]:
-                block[:, :, rows].addcmul_(w[:, :, rows, n, None], v[:, :, keys])
-            out[:, :, s:e] = block
-        return out
+def _offset_valid(offsets, N, restart, key_valid, device):
+    """Which key i − d each query i may attend: (N, n_offsets) bool, or (B, 1, N, n_offsets) with a
+    ``key_valid`` (B, N): in the sequence, in i's subsequence, not padding."""
+    i = torch.arange(N, device=device)[:, None]
+    j = i - torch.tensor(offsets, device=device)  # (N, n_offsets) key positions
+    valid = (j >= 0) & (j < N)
+    if restart is not None:
+        valid = valid & (j // restart == i // restart)
+    if key_valid is not None:
+        valid = valid & key_valid[:, j.clamp(0, N - 1)][:, None]  # (B, 1, N, n_offsets)
+    return valid
 
 
-def _offset_dots(a, b, shifts, n_offsets, scratch, name):
-    """(B, H, n, n_offsets): a · b[:, :, keys] over the features for each offset's rows of ``a``
-    (``shifts`` as :meth:`_Offsets.blocks` gives them), 0 where an offset reaches no key. With a
-    scratch, the products go into one reused buffer and the dots into the scratch's ``name``:
-    ``torch.linalg.vecdot`` makes a fresh (B, H, n, D) product each call, at L = 16384 ~0.5 GiB
-    of them a forward, which in some processes were faulted in afresh (70k-280k page faults,
-    most of a 175-450 ms forward in kernel time). Without one (autograd), fresh tensors."""
-    if scratch is None:
-        dots = [a.new_zeros(a.shape[:-1])] * n_offsets
-        for n, rows, keys in shifts:
-            dots[n] = F.pad(torch.linalg.vecdot(a[:, :, rows], b[:, :, keys]),
-                            (rows.start, a.shape[2] - rows.stop))
-        return torch.stack(dots, -1)
-    dots = scratch(name, (n_offsets, *a.shape[:-1])).zero_()  # (n_offsets, B, H, n)
-    prod = scratch("prod", a.shape)  # (B, H, n, D)
-    for n, rows, keys in shifts:
-        r = prod[:, :, :rows.stop - rows.start]
-        torch.sum(torch.mul(a[:, :, rows], b[:, :, keys], out=r), -1, out=dots[n, :, :, rows])
-    return dots.permute(1, 2, 3, 0)
+@operation("attend_offsets")
+def offset_attention(q, k, v, valid, *, offsets, scale):
+    """softmax(scale·q_i·k_{i−d}) over the offsets d where ``valid`` allows, applied to v_{i−d}.
+
+    q (B, H, N, D), k (B, H, N, D), v (B, H, N, Dv); ``offsets`` a list of ints (negative: keys
+    after the query); valid (N, n_offsets) or (B, 1, N, n_offsets) bool, False wherever i − d
+    lies outside 0..N−1. Returns (B, H, N, Dv), float32 for half-precision inputs; a query
+    with no valid key gets 0. Each offset's scores and weighted values come from the rows of
+    q, k and v shifted against each other (slices, no copies): O(N·n_offsets·(D + Dv)) time,
+    O(N·n_offsets) memory kept for the backward.
+    """
+    N = q.shape[2]
+    q = q * scale
+    shifts = [_shift(N, d) for d in offsets]  # (rows, keys) of each offset
+    scores = torch.stack([_placed(torch.linalg.vecdot(wide(q[:, :, rows]), wide(k[:, :, keys])), rows, N)
+                          for rows, keys in shifts], -1)  # (B, H, N, n_offsets)
+    w = masked_softmax(scores, valid)
+    return sum(_placed(w[:, :, rows, n, None] * wide(v[:, :, keys]), rows, N)
+               for n, (rows, keys) in enumerate(shifts))
 
 
-class _OffsetAttention(torch.autograd.Function):
-    """log_sparse with a backward that recomputes each block's weights and adds the gradients
-    of the shifted keys and values into place (autograd would zero-fill a whole-size gradient
-    for every offset and block)."""
+def _shift(N: int, d: int) -> tuple[slice, slice]:
+    """(rows, keys): the queries i whose key i − d lies in 0..N−1, and those keys (equal lengths)."""
+    start = min(max(d, 0), N)
+    stop = max(min(N, N + d), start)
+    return slice(start, stop), slice(start - d, stop - d)
 
-    @staticmethod
-    def forward(ctx, q, k, v, plan):
-        ctx.save_for_backward(q, k, v)
-        ctx.plan = plan
-        return plan.forward(q, k, v, Scratch(q))
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
-        plan = ctx.plan
-        dq, (dk, dv) = torch.empty_like(q), fresh_like(k, v, zero=True)  # dk, dv: added into
-        scratch = Scratch(q)
-        for s, e, shifts in plan.blocks(*q.shape[:2], q.shape[-1]):
-            q_blk, g = q[:, :, s:e], grad_out[:, :, s:e]
-            w = plan.weights(q_blk, k, s, e, shifts, scratch)  # (B, H, n, n_offsets)
-            dw = _offset_dots(g, v, shifts, len(plan.offsets), scratch, "dw")
-            ds = w * (dw - (w * dw).sum(-1, keepdim=True))  # softmax backward
-            dq_blk = ds[..., 0, None] * k[:, :, s:e]  # offset 0: every query
-            for n, rows, keys in shifts:
-                if n:
-                    dq_blk[:, :, rows].addcmul_(ds[:, :, rows, n, None], k[:, :, keys])
-                dk[:, :, keys].addcmul_(ds[:, :, rows, n, None], q_blk[:, :, rows])
-                dv[:, :, keys].addcmul_(w[:, :, rows, n, None], g[:, :, rows])
-            dq[:, :, s:e] = dq_blk
-        return dq, dk, dv, None
+def _placed(t: torch.Tensor, rows: slice, N: int) -> torch.Tensor:
+    """t (B, H, n, ...) of the positions ``rows`` as (B, H, N, ...), zero at the others."""
+    return F.pad(t, [0, 0] * (t.dim() - 3) + [rows.start, N - rows.stop])
 
 
 def log_sparse_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:

@@ -6,17 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo._pages import fresh_empty
 from attnzoo.masks import zero_empty_rows
-from attnzoo.mechanisms._common import (
-    few_keys_attention,
-    few_queries_attention,
-    fresh_matmul,
-    fresh_product,
-    softmax_scale,
-    wide,
-)
+from attnzoo.mechanisms._few import attend_few_keys, attend_few_queries
+from attnzoo.mechanisms._softmax import softmax_scale, wide
 from attnzoo.mechanisms.full import softmax_reference
+from attnzoo.ops import operation
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -30,14 +24,15 @@ class NystromOptions:
             raise ValueError("nystrom: need num_landmarks >= 1 and pinv_iterations >= 1")
 
 
+@operation("segment_means")
 def segment_means(x: torch.Tensor, m: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, L, D) -> (B, H, m', D), m' = min(m, L): the means of m' contiguous segments of
     near-equal length (lengths differ by at most one when m' does not divide L). With a
     key_mask, only real rows count; a segment with none gives 0."""
     L = x.shape[2]
     m = min(m, L)
-    if key_mask is None and L % m == 0:  # equal segments: a view (index_add_ is ~5× slower)
-        return _EqualSegmentMeans.apply(x, m)
+    if key_mask is None and L % m == 0:  # equal segments: a view
+        return x.unflatten(2, (m, L // m)).mean(3)
     segment = torch.arange(L, device=x.device) * m // L  # segment of each position, 0..m-1
     if key_mask is None:
         counts = torch.bincount(segment, minlength=m).to(x.dtype)[:, None]  # (m, 1)
@@ -47,31 +42,6 @@ def segment_means(x: torch.Tensor, m: int, key_mask: torch.Tensor | None = None)
             1, segment, key_mask.to(x.dtype))[:, None, :, None]  # (B, 1, m, 1): real rows only
     sums = x.new_zeros(*x.shape[:2], m, x.shape[-1]).index_add_(2, segment, x)  # (B, H, m, D)
     return sums / counts.clamp(min=1)
-
-
-class _EqualSegmentMeans(torch.autograd.Function):
-    """x (B, H, L, D) -> (B, H, m, D), the means of m segments of L/m rows, with a backward
-    that writes g/(L/m) to each segment's rows in one pass, into a gradient laid out as x.
-    Through autograd, mean then view made a scaled copy and, for a layer's q (a transposed
-    view), a contiguous clone of it: at L = 16384 a 32 MiB tensor more per training step,
-    faulted in afresh."""
-
-    @staticmethod
-    def forward(x, m):
-        return x.view(*x.shape[:2], m, x.shape[2] // m, x.shape[-1]).mean(3)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, m = inputs
-        ctx.x_meta, ctx.m = torch.empty_like(x, device="meta"), m  # x's shape and strides only
-
-    @staticmethod
-    def backward(ctx, g):
-        meta, m = ctx.x_meta, ctx.m
-        B, H, L, D = meta.shape
-        dx = fresh_empty(*meta.shape, like=g, stride=meta.stride())  # (B, H, L, D), laid out as x
-        dx.view(B, H, m, L // m, D).copy_((g / (L // m)).unsqueeze(3).expand(B, H, m, L // m, D))
-        return dx, None
 
 
 def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
@@ -87,9 +57,9 @@ def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
     """
     abs_a = a.abs()
     norm = abs_a.sum(-1).amax(-1) * abs_a.sum(-2).amax(-1)  # (...,)
-    z = fresh_product(a.transpose(-1, -2), 1 / norm[..., None, None])
+    z = a.transpose(-1, -2) / norm[..., None, None]  # (..., m, m)
     for _ in range(iterations):
-        z = fresh_matmul(z, _pinv_step(fresh_matmul(a, z)))
+        z = z @ _pinv_step(a @ z)
     return z
 
 
@@ -101,11 +71,11 @@ def pinv_times(a: torch.Tensor, b: torch.Tensor, iterations: int) -> torch.Tenso
     (m × n) products and P = ¼(Q(7P' − Q − 15I) + 13P'), Q = P'², two (m × m) ones: three
     (m × m) products for the two steps, where forming their Z takes eight. The same iteration,
     grouped differently; not further back: each step's Z, multiplied by A afresh, corrects
-    its own rounding, and a product of brackets does not (all six steps so: 30-80× the
-    float32 error of the iteration; the last two: ~1.3×)."""
+    its own rounding, and a product of brackets does not (grouping all six steps so loses
+    much of the float32 accuracy of the iteration; the last two keep nearly all of it)."""
     tail = _tail(iterations)
     z = iterative_pinv(a, iterations - tail)
-    p = fresh_matmul(a, z)  # (..., m, m): P of the first of them
+    p = a @ z  # (..., m, m): P of the first of them
     if tail == 2:
         b = _bracket_times(_next_p(p), b)  # (..., m, n): the last step's (the brackets commute)
     return z @ _bracket_times(p, b)
@@ -118,9 +88,9 @@ def _tail(iterations: int) -> int:
 
 def _next_p(p):
     """The next step's P from this one's: P g(P) = ¼(Q(7P − Q − 15I) + 13P), Q = P²."""
-    q = fresh_matmul(p, p)
+    q = p @ p
     x = _add_eye(7.0 * p - q, -15.0)  # 7P − Q − 15I
-    return fresh_matmul(q, x).add_(p, alpha=13.0).mul_(0.25)
+    return (q @ x).add_(p, alpha=13.0).mul_(0.25)
 
 
 def _bracket_times(p, b):
@@ -132,9 +102,9 @@ def _bracket_times(p, b):
 
 def _pinv_step(p):
     """The bracket of one step from P = AZ: ¼(13I − P(15I − P(7I − P)))."""
-    x = _add_eye(fresh_product(p, -0.25), 7 / 4)  # ¼(7I − P)
-    x = _add_eye(fresh_matmul(p, x), -15 / 4)  # −¼(15I − P(7I − P))
-    return _add_eye(fresh_matmul(p, x), 13 / 4)  # ¼(13I − P(15I − P(7I − P)))
+    x = _add_eye(p * -0.25, 7 / 4)  # ¼(7I − P)
+    x = _add_eye(p @ x, -15 / 4)  # −¼(15I − P(7I − P))
+    return _add_eye(p @ x, 13 / 4)  # ¼(13I − P(15I − P(7I − P)))
 
 
 def _add_eye(t: torch.Tensor, c: float) -> torch.Tensor:
@@ -154,23 +124,22 @@ def nystrom_attention(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
     """softmax(Q K̃ᵀ) pinv(softmax(Q̃ K̃ᵀ)) softmax(Q̃ Kᵀ) V, Q̃ and K̃ the landmark (segment) means.
 
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
-    Cost O(L·m·D + m³) time, O(L·m) memory at most: the two outer kernels run in C
-    where it builds (the landmark queries over the keys, :func:`few_queries_attention`;
-    the queries over the landmark keys, :func:`few_keys_attention`), else as SDPA, never
-    an L×L matrix; without autograd the pseudo-inverse's products go into kept memory
-    (:func:`fresh_matmul`). The pseudo-inverse runs in float32 for float16 and bfloat16
-    inputs (in their precision its six steps gave 4.5-6× full attention's error). Padded keys
-    take no part (in the landmarks or the softmax). With m >= L the landmarks are Q
-    and K and the result is full attention up to the pseudo-inverse's convergence.
-    Non-causal. Xiong et al., AAAI 2021.
+    Cost O(L·m·D + m³) time, O(L·m) memory at most: the two outer kernels are attention of the
+    m landmark queries over the keys and of the queries over the m landmark keys, applied to
+    the values without forming them (:func:`~attnzoo.mechanisms._few.attend_few_queries`,
+    :func:`~attnzoo.mechanisms._few.attend_few_keys`); never an L×L matrix. The pseudo-inverse
+    (:func:`pinv_times`) runs in float32 for float16 and bfloat16 inputs: in their precision its
+    six steps lose too much accuracy. Padded keys take no part (in the landmarks or the
+    softmax). With m >= L the landmarks are Q and K and the result is full attention up to the
+    pseudo-inverse's convergence. Non-causal. Xiong et al., AAAI 2021.
     """
     s = softmax_scale(q, scale)
     q_l, k_l = _landmarks(q, k, opts, key_mask)  # (B, H, m, D)
-    mask = None if key_mask is None else key_mask[:, None, None, :]
-    kernel_3 = few_queries_attention(q_l, k, v, mask, s)  # (B, H, m, Dv): kernel_3 V
+    mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, Lk)
+    kernel_3 = attend_few_queries(q_l, k, v, mask, s)  # (B, H, m, Dv): kernel_3 V
     kernel_2 = torch.softmax((wide(q_l) @ wide(k_l).transpose(-1, -2)) * s, -1)  # (B, H, m, m)
     middle = pinv_times(kernel_2, wide(kernel_3), opts.pinv_iterations).to(v.dtype)  # (B, H, m, Dv)
-    out = few_keys_attention(q, k_l, middle, s)  # (B, H, Lq, Dv): kernel_1 middle
+    out = attend_few_keys(q, k_l, middle, s)  # (B, H, Lq, Dv): kernel_1 middle
     return zero_empty_rows(out, causal=False, key_mask=key_mask, Lk=k.shape[2])
 
 
@@ -188,9 +157,11 @@ def nystrom_reference(q, k, v, opts=NystromOptions(), *, causal=False, key_mask=
 
 
 def nystrom_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
+    """The three kernels' products, and the pseudo-inverse's as :func:`pinv_times` groups them:
+    eight (m × m) products a step formed, the last steps' brackets applied to the values."""
     m = min(opts.num_landmarks, Lq, Lk)  # (the segment means are sums, not products: uncounted)
     kernels = 2.0 * m * Lk * (D + Dv) + 2.0 * m * m * D + 2.0 * Lq * m * (D + Dv)
-    tail = _tail(opts.pinv_iterations)  # (see pinv_times)
+    tail = _tail(opts.pinv_iterations)
     pinv = ((opts.pinv_iterations - tail) * 8.0 + 2.0 * (2 * tail - 1)) * m**3 + (6 * tail + 2.0) * m * m * Dv
     return B * H * (kernels + pinv)
 

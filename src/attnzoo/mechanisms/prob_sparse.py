@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from attnzoo._pages import fresh_empty
 from attnzoo.masks import causal_offset, dense_mask, visible_key_count
-from attnzoo.mechanisms._common import few_queries_attention, needs_grad, softmax_scale
+from attnzoo.mechanisms._few import attend_few_queries
+from attnzoo.mechanisms._softmax import softmax_scale
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -77,49 +77,20 @@ def top_queries(M: torch.Tensor, u: int) -> torch.Tensor:
     return torch.sort(M, dim=-1, descending=True, stable=True).indices[..., :u]
 
 
-PREFIX_CHUNK = 32  # rows summed by one triangular matmul in :func:`prefix_sums` (64: ~20 % slower)
+PREFIX_CHUNK = 32  # rows summed by one triangular matmul in :func:`prefix_sums`
 
 
 def prefix_sums(x: torch.Tensor) -> torch.Tensor:
-    """``x.cumsum(2)`` for x (B, H, L, X), by chunks of PREFIX_CHUNK rows: a lower-triangular
-    matmul of ones within each chunk, then each chunk's total before it (a cumsum over the
-    L/PREFIX_CHUNK chunk totals) added. torch's CPU cumsum along a middle dim is a serial
-    scan: 65 ms for a (1, 8, 16384, 64) float32 V against 6-7 ms this way. Rounding: sums of
-    PREFIX_CHUNK terms, then of chunk totals, instead of one running sum. Under autograd
-    :class:`_PrefixSums`, whose backward is the same with the upper triangle."""
-    return _PrefixSums.apply(x) if needs_grad(x) else _chunked_sums(x)
-
-
-class _PrefixSums(torch.autograd.Function):
-    """:func:`prefix_sums` with its backward, the gradient's suffix sums, written out: autograd
-    through the product and the in-place add cloned the whole gradient and zero-filled another
-    (prob_sparse's causal training step at L = 16384: ~40 ms of ~400)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        out = _chunked_sums(x)
-        return out.clone() if out._is_view() else out  # prob_sparse writes into it: a view may not be
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _chunked_sums(grad, reverse=True)
-
-
-def _chunked_sums(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """Prefix sums of x (B, H, L, X) along the positions (``reverse``: suffix sums, Σ_{j >= i}) by
-    chunks (see :func:`prefix_sums`), into one populated result (a view of it where L is not a
-    whole number of chunks)."""
+    """``x.cumsum(2)`` for x (B, H, L, X) as a blocked scan: within each chunk of PREFIX_CHUNK
+    rows a lower-triangular matmul of ones, then the totals of the chunks before it (a cumsum
+    over the L/PREFIX_CHUNK chunk totals) added: matmuls instead of a serial scan along L.
+    Rounding: sums of PREFIX_CHUNK terms, then of chunk totals, instead of one running sum."""
     L, pad = x.shape[2], -x.shape[2] % PREFIX_CHUNK
     chunks = (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(2, (-1, PREFIX_CHUNK))  # (B, H, nc, chunk, X)
-    ones = torch.ones(PREFIX_CHUNK, PREFIX_CHUNK, dtype=x.dtype, device=x.device)
-    ones = ones.triu_() if reverse else ones.tril_()
-    out = fresh_empty(*x.shape[:2], L + pad, x.shape[-1], like=x)
-    sums = torch.matmul(ones, chunks, out=out.unflatten(2, chunks.shape[2:4]))  # sums inside each chunk
-    if reverse:  # the totals of the chunks after: (B, H, nc − 1, X)
-        sums[:, :, :-1].add_(sums[:, :, 1:, 0].flip(2).cumsum(2).flip(2).unsqueeze(3))
-    else:  # the totals of the chunks before
-        sums[:, :, 1:].add_(sums[:, :, :-1, -1].cumsum(2).unsqueeze(3))
-    return out[:, :, :L] if pad else out
+    ones = torch.ones(PREFIX_CHUNK, PREFIX_CHUNK, dtype=x.dtype, device=x.device).tril_()
+    within = ones @ chunks  # (B, H, nc, chunk, X): sums inside each chunk
+    before = F.pad(within[:, :, :-1, -1:].cumsum(2), (0, 0, 0, 0, 1, 0))  # (B, H, nc, 1, X): chunks before
+    return (within + before).flatten(2, 3)[:, :, :L]
 
 
 def lazy_values(v, *, causal, key_mask, Lq, variant):
@@ -152,8 +123,6 @@ def _sampled_measure(q, k, index, Lk, opts):
     the heads share (:func:`_sample_pattern`); torch's sampled matmul (SDDMM) computes exactly
     those scores, each one dot product of a query and a key row, with no gathered copy of the
     keys (:func:`_pattern_scores`); each row of them is then reduced to M (:func:`_row_measure`).
-    At L = 16384 the measure took 76-80 ms this way, against 170-178 ms gathering the keys
-    of one sample at a time and multiplying them in place.
     """
     B, H, Lq, _ = q.shape
     M = q.new_empty(B, H, Lq)
@@ -244,10 +213,9 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv).
     Cost: O(Lq·U_part·D + u·Lk·D) time, O(Lq + u·Lk + Lk·Dv) memory per head: the
     sampled scores are reduced to M on the fly, chunk by chunk, never as the
-    seed's (Lq, U_part, D) copy of K; the u active queries attend through torch's fused
-    SDPA kernel, which keeps no (u, Lk) weights (causal or masked, a (u, Lk) mask is the one
-    such tensor); in training its backward recomputes them by key blocks
-    (:class:`~attnzoo.mechanisms._common.FewQueries`). Zhou et al., AAAI 2021.
+    seed's (Lq, U_part, D) copy of K; the u active queries attend by
+    :func:`~attnzoo.mechanisms._few.attend_few_queries`, which keeps no (u, Lk) weights
+    (causal or masked, a (u, Lk) mask is the one such tensor). Zhou et al., AAAI 2021.
 
     Departures and choices, all deliberate:
     - ``variant="paper"`` (default): M uses the mean of the U_part sampled scores,
@@ -272,12 +240,12 @@ def prob_sparse_attention(q, k, v, opts=ProbSparseOptions(), *, causal=False, ke
     top = _active_queries(q, k, opts, causal=causal, key_mask=key_mask, generator=generator)
     q_top = torch.gather(q, 2, top[..., None].expand(-1, -1, -1, q.shape[-1]))  # (B, H, u, D)
     mask = _active_mask(top, Lq, Lk, causal, key_mask)  # (B, H, u, Lk) or None
-    active_out = few_queries_attention(q_top, k, v, mask, softmax_scale(q, scale))  # (B, H, u, Dv)
+    active_out = attend_few_queries(q_top, k, v, mask, softmax_scale(q, scale))  # (B, H, u, Dv)
     out = lazy_values(v, causal=causal, key_mask=key_mask, Lq=Lq, variant=opts.variant)
-    rows = top[..., None].expand(-1, -1, -1, v.shape[-1])
+    rows = top[..., None].expand(-1, -1, -1, v.shape[-1])  # (B, H, u, Dv)
     if causal:  # a fresh tensor that autograd does not need again: overwrite the active rows in place
         return out.scatter_(2, rows, active_out.to(out.dtype))
-    return out.scatter(2, rows, active_out.to(out.dtype))
+    return out.scatter(2, rows, active_out.to(out.dtype))  # (non-causal, out is one row expanded)
 
 
 def prob_sparse_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:

@@ -20,23 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo._pages import fresh_empty
-from attnzoo.mechanisms._common import (
-    fused_kernel_fits,
-    fused_partial,
-    join_blocks,
+from attnzoo.mechanisms._softmax import merge_partials, partial_softmax, softmax_scale
+from attnzoo.mechanisms._windows import (
     last_rows,
-    merge_partials,
-    needs_grad,
     pad_to,
-    partial_softmax,
     pattern_reference,
-    scaled,
-    softmax_scale,
     to_frame,
     window_flops,
     window_partial,
 )
+from attnzoo.ops import operation
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -82,7 +75,6 @@ def _summary_cells(opts: FixedOptions, l: int) -> int:
 
 
 A2_SCORES_PER_CHUNK = 2**20  # strided's and fixed's A2: scores (all batches and heads) at a time
-FUSED_A2_MASK = 2**20  # fixed's A2 by the fused kernel: entries of a chunk's (rows, cells) mask
 
 
 def _by_residue(t: torch.Tensor, l: int) -> torch.Tensor:
@@ -111,34 +103,28 @@ def _strided_a2(q, k, v, key_valid, l, causal, include_self):
     if key_valid is not None:
         kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l).transpose(1, 2)  # (B, l, m)
         valid = valid & kv[:, None, :, None, :]  # (B, 1, l, m, m)
-    per = max(1, A2_SCORES_PER_CHUNK // (B * H * m * m))  # residue classes at a time, in cache
-    # split, not slices: the backward then joins the pieces' gradients in one pass
-    chunks = zip(qr.split(per, 2), kr.split(per, 2), vr.split(per, 2), strict=True)
-    o, lse = _join_residues((partial_softmax(q_r @ k_r.transpose(-1, -2),  # (B, H, n, m, m): a_i, a_j
-                                             valid[..., n * per:(n + 1) * per, :, :], v_r)
-                             for n, (q_r, k_r, v_r) in enumerate(chunks)), l, m)
+    o, lse = residue_partial(qr, kr, vr, valid)
     return o[:, :, :L], lse[:, :, :L]
 
 
-def _join_residues(parts, l, m):
-    """The partials of the residue classes mod l in order, (o (B, H, n, m, Dv), lse (B, H, n, m))
-    each, as one partial in position order: (o (B, H, m·l, Dv), lse (B, H, m·l)). Without
-    autograd each is written into its place as it comes, in one fresh result: concatenated,
-    then reordered, they made two (L, Dv) tensors faulted in afresh (strided at L = 16384:
-    ~16k page faults a forward). Under autograd they are concatenated and reordered."""
-    if torch.is_grad_enabled():
-        o, lse = (torch.cat(ts, 2).transpose(2, 3).flatten(2, 3) for ts in zip(*parts, strict=True))
-        return o, lse
-    o = lse = None
-    s = 0
-    for part_o, part_lse in parts:
-        if o is None:
-            B, H, _, _, Dv = part_o.shape
-            o, lse = fresh_empty(B, H, m * l, Dv, like=part_o), part_lse.new_empty(B, H, m * l)
-        n = part_o.shape[2]
-        _by_residue(o, l)[:, :, s:s + n] = part_o
-        _by_residue(lse.unsqueeze(-1), l)[:, :, s:s + n] = part_lse.unsqueeze(-1)
-        s += n
+@operation("attend_residues")
+def residue_partial(qr, kr, vr, valid):
+    """The partial of attention within each residue class mod l: qr, kr (B, H, l, m, D), vr (B, H,
+    l, m, Dv) hold position a·l + r at [r, a] (:func:`_by_residue`), scores qr·krᵀ (any scale
+    already in qr), and ``valid`` (l, m, m) or (B, 1, l, m, m) bool tells which a_j each a_i of
+    class r may attend.
+
+    Returns ``(o (B, H, m·l, Dv), lse (B, H, m·l))`` in position order. The classes go in chunks
+    of about A2_SCORES_PER_CHUNK scores, so a forward's temporaries stay O(2^20).
+    """
+    B, H, l, m, _ = qr.shape
+    per = max(1, A2_SCORES_PER_CHUNK // (B * H * m * m))  # residue classes at a time, in cache
+    # split, not slices: the backward then joins the pieces' gradients in one pass
+    parts = [partial_softmax(q_r @ k_r.transpose(-1, -2), valid_r, v_r)  # (B, H, n, m, m): a_i, a_j
+             for q_r, k_r, v_r, valid_r in zip(qr.split(per, 2), kr.split(per, 2), vr.split(per, 2),
+                                               valid.split(per, -3), strict=True)]
+    # residue classes in order (B, H, l, m, ·) -> positions a·l + r in order (B, H, m·l, ·)
+    o, lse = (torch.cat(ts, 2).transpose(2, 3).flatten(2, 3) for ts in zip(*parts, strict=True))
     return o, lse
 
 
@@ -161,45 +147,57 @@ def _fixed_a1(q, k, v, key_valid, l, causal, scale):
 
 
 def _fixed_a2(q, k, v, key_valid, l, c, causal, include_own_block, scale):
-    """Partial over the last c cells of every block: O(L·c·L/l·D) time; the scale goes on
-    those cells' keys (c·L/l rows), not on the queries.
+    """Partial over the last c cells of every block (:func:`summary_partial`): O(L·c·L/l·D) time;
+    the scale goes on those cells' keys (c·L/l rows), not on the queries.
 
-    Union mode excludes i's own block (A1 has it); split mode keeps it. Queries go in
-    chunks of A2_SCORES_PER_CHUNK / (B·H·c·L/l) rows, so a forward's temporaries stay
-    O(2^20) and in cache rather than O(L·c·L/l) (autograd still keeps each chunk's weights).
-    Without autograd or padding keys, chunks of FUSED_A2_MASK / (c·L/l) rows go through
-    torch's fused kernel instead (:func:`fused_partial`, ~20 % faster at L = 16384).
-    Causal: a chunk of queries scores only the cells up to its last query.
+    Union mode excludes i's own block (A1 has it); split mode keeps it. Causal: a chunk of
+    queries scores only the cells up to its last query.
     """
     B, H, L, D = q.shape
     m = -(-L // l)
-    Lp = m * l
-    k_sum = (pad_to(k, Lp).view(B, H, m, l, D)[:, :, :, l - c:] * scale).view(B, H, m * c, D)
-    v_sum = pad_to(v, Lp).view(B, H, m, l, -1)[:, :, :, l - c:].reshape(B, H, m * c, -1)
+    k_sum = (pad_to(k, m * l).view(B, H, m, l, D)[:, :, :, l - c:] * scale).reshape(B, H, m * c, D)
+    v_sum = pad_to(v, m * l).view(B, H, m, l, -1)[:, :, :, l - c:].reshape(B, H, m * c, -1)
     pos_j = (torch.arange(m, device=q.device)[:, None] * l + l - c
-             + torch.arange(c, device=q.device)).reshape(-1)  # (m·c,)
+             + torch.arange(c, device=q.device)).reshape(-1)  # (m·c,) the cells' positions
     key_ok = pos_j < L
     if key_valid is not None:
-        kv = pad_to(key_valid, Lp, dim=1, value=False).view(B, m, l)[:, :, l - c:].reshape(B, 1, 1, -1)
+        kv = pad_to(key_valid, m * l, dim=1, value=False).view(B, m, l)[:, :, l - c:].reshape(B, 1, 1, -1)
         key_ok = key_ok & kv  # (B, 1, 1, m·c)
-    fused = key_valid is None and not needs_grad(q, k, v) and fused_kernel_fits(q, k, v)
-    rows = max(1, FUSED_A2_MASK // (m * c) if fused else A2_SCORES_PER_CHUNK // (B * H * m * c))
-    parts = []
-    for n, q_rows in enumerate(q.split(rows, 2)):  # split, not slices: one pass joins their gradients
-        start = n * rows
-        end = q_rows.shape[2] + start
+
+    def cells_for(start, end):
+        """(cells, valid): the leading summary cells query rows start..end−1 may see, and which."""
         cells = min(m, -(-end // l)) * c if causal else m * c  # causal: none after the last query
         pos_i = torch.arange(start, end, device=q.device)[:, None]
-        valid = key_ok[..., :cells] & ((pos_j[:cells] <= pos_i) if causal else True)
+        seen = torch.ones(end - start, cells, dtype=torch.bool, device=q.device)
+        if causal:
+            seen = seen & (pos_j[:cells] <= pos_i)
         if not include_own_block:
-            valid = valid & ((pos_j[:cells] // l) != (pos_i // l))  # (rows, cells)
-        if fused:
-            parts.append(fused_partial(q_rows, k_sum[:, :, :cells], v_sum[:, :, :cells],
-                                       valid.expand(end - start, cells)))
-        else:
-            scores = q_rows @ k_sum[:, :, :cells].transpose(-1, -2)  # (B, H, rows, cells)
-            parts.append(partial_softmax(scores, valid, v_sum[:, :, :cells]))
-    return join_blocks([o for o, _ in parts], L), torch.cat([lse for _, lse in parts], 2)
+            seen = seen & ((pos_j[:cells] // l) != (pos_i // l))  # (rows, cells)
+        return cells, key_ok[..., :cells] & seen
+
+    return summary_partial(q, k_sum, v_sum, cells_for)
+
+
+@operation("attend_summary_cells")
+def summary_partial(q, k_sum, v_sum, cells_for):
+    """The partial of the queries q (B, H, L, D) over summary keys k_sum (B, H, n, D), v_sum
+    (B, H, n, Dv), scores q·k_sumᵀ (any scale already in k_sum): query rows s..e−1 see the first
+    ``cells`` of them where ``valid`` allows, ``(cells, valid) = cells_for(s, e)``, valid
+    (e − s, cells) bool, or (B, 1, e − s, cells) where it differs by batch entry.
+
+    Returns ``(o (B, H, L, Dv), lse (B, H, L))``. Queries go in chunks of A2_SCORES_PER_CHUNK /
+    (B·H·n) rows, so a forward's temporaries stay O(2^20) rather than O(L·n) (autograd still
+    keeps each chunk's weights).
+    """
+    B, H, L, _ = q.shape
+    rows = max(1, A2_SCORES_PER_CHUNK // (B * H * k_sum.shape[2]))
+    parts = []
+    # split, not slices: the backward then joins the chunks' gradients in one pass
+    for start, q_rows in zip(range(0, L, rows), q.split(rows, 2), strict=True):
+        cells, valid = cells_for(start, start + q_rows.shape[2])
+        scores = q_rows @ k_sum[:, :, :cells].transpose(-1, -2)  # (B, H, rows, cells)
+        parts.append(partial_softmax(scores, valid, v_sum[:, :, :cells]))
+    return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
 
 
 def _combine(q, k, v, opts, part_a1, part_a2):
@@ -208,7 +206,7 @@ def _combine(q, k, v, opts, part_a1, part_a2):
     ``part_a1(q, k, v)`` and ``part_a2(q, k, v, include_a1_overlap)`` return partials.
     """
     if opts.heads == "union":
-        return merge_partials([part_a1(q, k, v), part_a2(q, k, v, False)])[0].to(q.dtype)
+        return merged_output(part_a1(q, k, v), part_a2(q, k, v, False)).to(q.dtype)
     if q.shape[1] < 2:
         raise ValueError("heads='split' needs at least 2 heads (even heads A1, odd heads A2)")
     even, odd = slice(0, None, 2), slice(1, None, 2)
@@ -217,6 +215,13 @@ def _combine(q, k, v, opts, part_a1, part_a2):
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     out[:, even], out[:, odd] = out_a1, out_a2
     return out
+
+
+@operation("merge_two_partials")
+def merged_output(part_a, part_b):
+    """The output o (B, H, L, Dv) of two partials over disjoint key sets merged into the softmax
+    over their union (:func:`~attnzoo.mechanisms._softmax.merge_partials`)."""
+    return merge_partials([part_a, part_b])[0]
 
 
 def strided_attention(q, k, v, opts=StridedOptions(), *, causal=False, key_mask=None, scale=None,
@@ -230,7 +235,7 @@ def strided_attention(q, k, v, opts=StridedOptions(), *, causal=False, key_mask=
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
     l = _stride(opts, q.shape[2])
-    q = scaled(q, softmax_scale(q, scale))  # once for both parts
+    q = q * softmax_scale(q, scale)  # once for both parts
     out = _combine(
         q, k, v, opts,
         lambda q, k, v: _strided_a1(q, k, v, key_valid, l, causal),
@@ -246,8 +251,7 @@ def fixed_attention(q, k, v, opts=FixedOptions(), *, causal=False, key_mask=None
 
     Shapes as :func:`strided_attention`. Cost O(L·(l + c·L/l)·D) time and
     O(L·l + 2^20) forward memory per (batch, head): A1 as attention within each block,
-    A2 as attention to the c·L/l summary cells, by chunks of queries (without autograd, on
-    the CPU, by torch's fused kernel). Child et al., 2019.
+    A2 as attention to the c·L/l summary cells, by chunks of queries. Child et al., 2019.
     """
     q, k, v, key_valid, Lq = to_frame(q, k, v, key_mask)
     l = _stride(opts, q.shape[2])

@@ -7,20 +7,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo.mechanisms.linear import (
-    PlainKeyMap,
-    _no_scale,
-    kernel_attention,
-    kernel_flops,
-    kernel_reference,
-)
+from attnzoo.mechanisms._kernel import FeatureMap, kernel_attention, kernel_flops, kernel_reference, no_scale
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
 @dataclass(frozen=True)
 class TaylorOptions:
     eps: float = 1e-6  # added to the normaliser (it is >= 0, and 0 only for a query with no key)
-    chunk: int = 64  # causal: queries per chunk of the prefix-sum engine
+    chunk: int = 64  # causal: queries per chunk of the prefix sums
 
     def __post_init__(self):
         if self.eps < 0 or self.chunk < 1:
@@ -37,30 +31,29 @@ def taylor_attention(q, k, v, opts=TaylorOptions(), *, causal=False, key_mask=No
     """(Σ_j v_j + Q'(K'ᵀV)) / (n + Q'(K'ᵀ1)), Q' = Q/‖Q‖, K' = K/‖K‖ per position, n = #keys seen.
 
     As linear attention with φ(x) = [1, x/‖x‖], so key_mask and causal (chunked
-    prefix sums) come from the same engine. Shapes: q (B, H, Lq, D), k (B, H, Lk, D),
-    v (B, H, Lk, Dv) -> (B, H, Lq, Dv). Cost O(L·D·Dv). Li et al., Linear Attention
-    Mechanism: An Efficient Attention for Semantic Segmentation, 2020 (the formula
-    of ../shared/seeds, which sums over all N keys; we sum over the visible ones).
+    prefix sums) come from the same engine (:func:`~attnzoo.mechanisms._kernel.kernel_attention`).
+    Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv). Cost
+    O(L·D·Dv). Li et al., Linear Attention Mechanism: An Efficient Attention for Semantic
+    Segmentation, 2020 (the formula of ../shared/seeds, which sums over all N keys; we sum
+    over the visible ones).
     """
-    _no_scale("taylor", scale)
-    out, _ = kernel_attention(q, k, v, taylor_features, PlainKeyMap(taylor_features),
-                              width=q.shape[-1] + 1, causal=causal, key_mask=key_mask, eps=opts.eps,
-                              chunk=opts.chunk)
+    no_scale("taylor", scale)
+    phi = FeatureMap("taylor", taylor_features, q.shape[-1] + 1)
+    out, _ = kernel_attention(q, k, v, phi, causal=causal, key_mask=key_mask, eps=opts.eps, chunk=opts.chunk)
     return out
 
 
 def taylor_reference(q, k, v, opts=TaylorOptions(), *, causal=False, key_mask=None, scale=None,
                      generator=None):
     """Dense: weights 1 + q'_i·k'_j on the visible keys, normalised by their sum (+ eps)."""
-    _no_scale("taylor", scale)
-    qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    ones_q, ones_k = torch.ones_like(q[..., :1]), torch.ones_like(k[..., :1])
-    return kernel_reference(torch.cat([ones_q, qn], -1), torch.cat([ones_k, kn], -1), v,
-                            causal=causal, key_mask=key_mask, eps=opts.eps)
+    no_scale("taylor", scale)
+    return kernel_reference(taylor_features(q), taylor_features(k), v, causal=causal, key_mask=key_mask,
+                            eps=opts.eps)
 
 
 def taylor_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
-    return kernel_flops(B, H, Lq, Lk, D + 1, Dv, causal, opts.chunk)
+    """FLOPs of the kernel engine's products over D + 1 features (:func:`kernel_flops`)."""
+    return kernel_flops(B, H, Lq, Lk, D + 1, Dv, causal=causal, chunk=opts.chunk, map_name="taylor")
 
 
 register(

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import attnzoo
-from attnzoo import _products
+from attnzoo.backends.cpu import products as _products
 
 needs_onednn = pytest.mark.skipif(_products._LINEAR is None, reason="torch built without oneDNN")
 

@@ -1,24 +1,15 @@
 """Rows times a matrix's transpose, ``a wᵀ + b``, by oneDNN's inner product where it runs.
 
 The layer's projections, their input gradient ``g W`` and linformer's ``E X`` and ``dE = g Xᵀ``
-are such products of many rows. On the benchmark's AMD EPYC (Zen 4, 2 threads) MKL's sgemm
-takes its generic path (``MKL_VERBOSE=1``: "Intel(R) Architecture processors") and oneDNN
-its AVX-512 one (``ONEDNN_VERBOSE=1``: "brg_matmul:avx512_core"), in float32:
+are such products of many rows. On some AMD CPUs MKL's sgemm takes its generic path while
+oneDNN (torch's private ``mkldnn::_linear_pointwise``, guarded: absent in a build without
+oneDNN) runs AVX-512 kernels. oneDNN writes a fresh tensor (no ``out=``), so it writes blocks
+of BLOCK_BYTES, which the heap hands out again warm, each copied into the result at once.
+Weights' gradients, float64 and products added into a tensor stay with torch's BLAS.
 
-    (4096 × 512) (512 × 512)ᵀ          MKL 11.1 ms, oneDNN 9.9, in blocks with their copies 10.3
-    dE = g Xᵀ (512 × 512) (4096 × 512)ᵀ   11.7 ms, 10.0, in blocks 10.6
-    E X  (256 × 4096) (512 × 4096)ᵀ         6.2 ms, 5.2
-
-Not faster there, and left to MKL: gᵀ X (a weight's gradient: oneDNN copies a transposed
-first factor first), the (256 × 256) products of nystrom's heads, and products added into a
-tensor. oneDNN writes a fresh tensor from torch's allocator (no ``out=``), which glibc faulted
-in afresh on most calls (linformer's training step at L = 4096: ~3k page faults, none by MKL
-into :func:`~attnzoo._pages.fresh_empty`'s kept blocks): it writes blocks of BLOCK_BYTES,
-which the heap hands out again warm, each copied into the result at once.
-
-By default only on AMD's CPUs, where MKL was seen to take its generic path; on Intel's MKL runs
-its own AVX-512 kernels (not measured against oneDNN here), and elsewhere torch's BLAS stays.
-``ATTNZOO_ONEDNN=1`` or ``0`` decides instead.
+By default only on AMD's CPUs, where MKL was seen to take its generic path; elsewhere torch's
+BLAS stays. ``ATTNZOO_ONEDNN=1`` or ``0`` decides instead. docs/internals.md gives the
+measurements.
 """
 
 from __future__ import annotations

@@ -1,22 +1,24 @@
-"""Large results in huge pages, and block temporaries in reused buffers.
+"""Memory keeping for large CPU results, and block temporaries in reused buffers: opt-in.
 
 A fresh tensor of tens of MiB is mapped from the OS and faulted in 4 KiB at a time when it
-is first written: at L = 16384 a (1, 8, L, 64) float32 output is 8192 faults, ~12 ms on the
-benchmark's CPU for a copy of ~2 ms, and every output and gradient of that size pays it.
-Advised as transparent huge pages (Linux's MADV_HUGEPAGE) before it is written, the same
-tensor is faulted in 2 MiB at a time: ~4 ms. torch does this for every allocation when the
-process starts with THP_MEM_ALLOC_ENABLE=1; attnzoo does it for its own large results only,
-and then faults the pages in at once from the calling thread (MADV_POPULATE_WRITE, Linux
-5.14+): written by torch's threads together, fresh huge pages took ~50 ms per 32 MiB in a
-process's first allocations on the benchmark's VM (one thread: ~8 ms; populated: 3-8 ms).
+is first written, and glibc's heap may hand a freed block back to the OS between two calls,
+so that the next call faults it in again. Two opt-in remedies live here, both off by default
+because they change the whole process's memory:
 
-Results of POOL_BYTES or more come from blocks that attnzoo maps itself and keeps when the
-tensors on them die (up to ATTNZOO_KEEP_MIB MiB, default 256; 0 turns the keeping off;
-:func:`empty_cache` hands them back): the next result of the same size takes one already
-faulted in. Left to glibc, whose heap hands its top back to the OS whenever more than ~2×
-the largest block freed so far lies free there, the same training step (efficient, L = 4096,
-four 8 MiB results) read 7.6 ms in some processes and 35 ms in others, 4k page faults a step.
-Blocks of a loop write their temporaries into one :class:`Scratch` instead of fresh tensors.
+- *Kept blocks* (``ATTNZOO_KEEP_MIB=N`` in the environment, or :func:`keep`): results of
+  POOL_BYTES or more come from blocks that attnzoo maps itself and keeps when the tensors on
+  them die, up to N MiB, so the next result of the same size takes one already faulted in;
+  :func:`empty_cache` hands them back. Keeping registers a fork hook (a child starts
+  without its parent's blocks).
+- *Huge pages* (``ATTNZOO_HUGE_PAGES=1``): results of MIN_BYTES or more are advised as
+  transparent huge pages (Linux's MADV_HUGEPAGE) and faulted in at once from the calling
+  thread (MADV_POPULATE_WRITE, Linux 5.14+), 2 MiB at a time instead of 4 KiB. torch's own
+  ``THP_MEM_ALLOC_ENABLE=1`` does this for every allocation of a process.
+
+Without either, :func:`fresh_empty` is ``new_empty``. docs/internals.md gives the
+measurements behind both. Blocks of a loop write their temporaries into one
+:class:`Scratch` instead of fresh tensors (only where each block's result is copied out
+before the next block runs: a result left in a scratch buffer is overwritten by the next).
 """
 
 from __future__ import annotations
@@ -34,9 +36,7 @@ import torch
 HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 # glibc's largest dynamic mmap threshold on 64-bit: torch's larger allocations are always
 # mapped afresh. Smaller ones mostly came from the heap, already faulted in, where advice cost
-# more than it saved: at 8 MiB (L = 4096) linear's and efficient's training steps took 40-83 ms
-# with 16-56 ms of kernel time in 1-2 of every 4 calls, against 22-34 ms with none advised.
-# Kept blocks (below) follow the same line when they are first mapped.
+# more than it saved. Kept blocks (below) follow the same line when they are first mapped.
 MIN_BYTES = 16 * HUGE_PAGE
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL) and the pages fault as written
@@ -64,7 +64,7 @@ def _madvise():
     return fn
 
 
-_MADVISE = _madvise()
+_MADVISE = _madvise() if os.environ.get("ATTNZOO_HUGE_PAGES", "0") == "1" else None
 
 
 def whole_huge_pages(ptr: int, nbytes: int) -> tuple[int, int]:
@@ -85,7 +85,7 @@ def _advise_huge(ptr: int, nbytes: int) -> None:
 
 
 POOL_BYTES = 1 << 20  # results from this size on come from kept blocks
-KEEP_BYTES = int(os.environ.get("ATTNZOO_KEEP_MIB", "256")) << 20  # freed blocks kept, at most
+KEEP_BYTES = int(os.environ.get("ATTNZOO_KEEP_MIB", "0")) << 20  # freed blocks kept, at most (0: none)
 _PAGE = mmap.PAGESIZE
 _KEPT: list[mmap.mmap] = []  # blocks whose tensors died, the oldest first
 _KEPT_LOCK = threading.Lock()  # tried, never waited on, in _block and _hand_back: no deadlock in GC
@@ -128,7 +128,7 @@ def _block(nbytes: int) -> mmap.mmap:
 
 def empty_cache() -> None:
     """Hand the blocks attnzoo keeps for its next results back to the OS: the memory of results
-    that are gone (up to ATTNZOO_KEEP_MIB MiB, default 256; see :mod:`attnzoo._pages`)."""
+    that are gone (kept only where asked: :func:`keep`)."""
     with _KEPT_LOCK:
         _KEPT.clear()
 
@@ -141,8 +141,30 @@ def _after_fork() -> None:
         _KEPT_LOCK.release()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
+def keep(mib: int) -> None:
+    """Keep the blocks of dead results, up to ``mib`` MiB, for the next results of their size
+    (0: keep none, the default; ``ATTNZOO_KEEP_MIB`` sets it at import). Process-wide: every
+    attnzoo call's large CPU results then come from kept blocks."""
+    global KEEP_BYTES
+    if mib < 0:
+        raise ValueError(f"keep: mib must be >= 0, got {mib}")
+    KEEP_BYTES = int(mib) << 20
+    if KEEP_BYTES:
+        _register_fork_hook()
+    else:
+        empty_cache()
+
+
+@lru_cache(maxsize=1)
+def _register_fork_hook() -> None:
+    """Once, when keeping starts: a forked child drops the parent's blocks."""
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork)
+
+
+if KEEP_BYTES:
+    _register_fork_hook()
+
 
 
 def fresh_empty(*shape: int, like: torch.Tensor, stride: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -180,10 +202,9 @@ def fresh_like(*tensors: torch.Tensor, zero: bool = False) -> tuple[torch.Tensor
 
 class Scratch:
     """Buffers that every block of one call reuses, by name and shape: a block's temporaries
-    are written into them (``out=``) rather than into fresh tensors. A fresh tensor of a
-    block's size (~1 MiB) is faulted in from the OS again whenever glibc's heap has just
-    handed its memory back, which in some processes happens block after block: there linear's
-    forward at L = 16384 took 26k–29k page faults a call (~1k in others) and twice the time."""
+    are written into them (``out=``) rather than into fresh tensors, which glibc's heap may
+    hand back to the OS and fault in again block after block. A buffer is reused by the next
+    request of its name and shape: only a result copied out before then may be written here."""
 
     def __init__(self, like: torch.Tensor):
         self.like, self.buffers, self.parts = like, {}, {}
@@ -197,7 +218,7 @@ class Scratch:
 
     def __call__(self, name: str, shape) -> torch.Tensor:
         """The ``shape`` buffer ``name`` (made on first request); it holds until the next request
-        for ``name`` and that shape. (A dict lookup: a view into one buffer a name took ~7 µs.)"""
+        for ``name`` and that shape."""
         key = (name, tuple(shape))
         buf = self.buffers.get(key)
         if buf is None:

@@ -3,16 +3,53 @@ import sys
 import pytest
 import torch
 
-from attnzoo import _pages
-from attnzoo._pages import HUGE_PAGE, MIN_BYTES, empty_cache, fresh_empty, fresh_like, whole_huge_pages
+from attnzoo.backends.cpu import memory as _pages
+from attnzoo.backends.cpu.memory import (
+    HUGE_PAGE,
+    MIN_BYTES,
+    empty_cache,
+    fresh_empty,
+    fresh_like,
+    whole_huge_pages,
+)
 
 
 @pytest.fixture(autouse=True)
-def no_kept_blocks():
-    """Each test starts with no kept block (a block kept by another would be taken, not mapped)."""
+def no_kept_blocks(monkeypatch):
+    """Each test starts with no kept block (a block kept by another would be taken, not mapped),
+    and with keeping on, as a user who asked for it has it (it is off by default)."""
+    monkeypatch.setattr(_pages, "KEEP_BYTES", 256 << 20)
     empty_cache()
     yield
     empty_cache()
+
+
+def test_nothing_is_kept_or_advised_unless_asked():
+    """By default fresh_empty is torch's new_empty: no kept block, no huge-page advice, no fork
+    hook; ``keep`` turns keeping on and off."""
+    import subprocess
+
+    code = ("import os, torch; from attnzoo.backends.cpu import memory as m; "
+            "t = m.fresh_empty(1 << 22, like=torch.zeros(1)); del t; "
+            "print(m.KEEP_BYTES, len(m._KEPT), m._MADVISE is None, "
+            "m._register_fork_hook.cache_info().currsize)")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("ATTNZOO_KEEP_MIB", "ATTNZOO_HUGE_PAGES")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "0", "True", "0"]
+
+
+def test_keep_turns_keeping_on_and_off():
+    _pages.keep(0)
+    fresh_empty(_pages.POOL_BYTES, like=torch.zeros(1))  # dies at once: nothing kept
+    assert not _pages._KEPT
+    _pages.keep(64)
+    fresh_empty(_pages.POOL_BYTES, like=torch.zeros(1))
+    assert _pages._KEPT and _pages.KEEP_BYTES == 64 << 20
+    _pages.keep(0)
+    assert not _pages._KEPT
+    with pytest.raises(ValueError, match="mib must be >= 0"):
+        _pages.keep(-1)
 
 
 @pytest.fixture
@@ -151,7 +188,8 @@ def test_fresh_empty_without_madvise(monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
-def test_libc_madvise_is_found_on_linux():
+def test_libc_madvise_is_found_on_linux(monkeypatch):
+    monkeypatch.setattr(_pages, "_MADVISE", _pages._madvise())  # as ATTNZOO_HUGE_PAGES=1 has it
     assert (_pages._MADVISE is None) == _pages.thp_never()  # found, unless THP is off
     t = fresh_empty(MIN_BYTES // 4, like=torch.zeros(1))  # the real calls, on a real tensor
     assert t.fill_(2.0).sum().item() == 2 * t.numel()

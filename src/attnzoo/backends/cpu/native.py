@@ -1,32 +1,25 @@
 """Native kernels: C compiled on first use by the system's compiler, loaded with ctypes.
 
 Causal linear attention's least work is a recurrence, S += φ(k)vᵀ then φ(q)ᵀS, one position
-after another: eager torch can only run it as chunked matmuls and a dozen passes over every
-block, ~10× its FLOP floor at L = 16384 on the benchmark's CPU. The recurrence in C keeps S in
-the L1 cache and reads each input once (native/kernels.c); so does the non-causal form, where
-eager torch takes four passes for each map φ = elu + 1 and more for the normaliser, and so
-does efficient attention (two softmaxes and two small products). LSH attention's rounds, in
-eager torch gathers, penalty passes, softmax passes and merges around small matmuls, run in
-C without gradients: each chunk's window of keys in cache, its masks made as it goes. So does
-attention of many queries over few keys (linformer's projected keys, nystrom's landmarks),
-forward and backward, four queries a pass over keys kept in cache, where SDPA's fused CPU
-kernel took ~1.1-1.4x as long; and of few queries over many keys (nystrom's landmark
-queries), forward and backward, the keys in blocks kept in cache (SDPA's forward: ~1.3x as
-long).
+after another; eager torch can only run it as chunked matmuls and many passes over every
+block. The recurrence in C keeps S in the L1 cache and reads each input once (kernels.c beside
+this module); so do the non-causal form (φ = elu + 1) and efficient attention (two softmaxes
+and two small products); LSH attention's rounds without gradients (each chunk's window of
+keys in cache, its masks made as it goes); and attention of many queries over few keys and of
+few queries over many keys, forward and backward.
 
-Each (dtype, D, Dv) gets its own build (0.2 s with gcc, the sizes compiled in, so the
-compiler vectorises the loops over them), cached in ``$ATTNZOO_CACHE`` (default
-``~/.cache/attnzoo``) under a name that hashes the source, the flags and the CPU, so a
-changed source or another machine builds afresh. Where there is no compiler, the build
-fails, or ``ATTNZOO_NATIVE=0``, the entry points (:func:`causal_linear`, :func:`linear`,
-:func:`efficient`, :func:`few_keys`, :func:`few_queries`, :func:`lsh`, :func:`lsh_order`,
-and :func:`lsh_kernels` for the hash) return None and the callers take their eager path:
-the results are the same either way (to rounding; the tests hold them to it). The batch
-entries and heads are split among torch's intra-op threads: where torch runs on OpenMP, the
-kernels are built with it and split them in C, on the threads torch's own ops use
-(efficient's forward at L = 1024: 0.66 ms a call, against 0.85-1.18 ms with a Python pool's
-handoff); otherwise, and for LSH's, a Python pool splits them (:func:`_over_heads`), ctypes
-letting go of the GIL while C runs.
+Each (dtype, D, Dv) gets its own build (the sizes compiled in, so the compiler vectorises the
+loops over them), cached in ``$ATTNZOO_CACHE`` (default ``~/.cache/attnzoo``) under a name
+that hashes the source, the flags and the CPU, so a changed source or another machine builds
+afresh. Where there is no compiler, the build fails, or ``ATTNZOO_NATIVE=0``, the entry points
+(:func:`causal_linear`, :func:`linear`, :func:`efficient`, :func:`few_keys`,
+:func:`few_queries`, :func:`lsh`, :func:`lsh_order`, and :func:`lsh_kernels` for the hash)
+return None and the callers return NotImplemented: the portable code runs, with the same
+results to rounding. The batch entries and heads are split among torch's intra-op threads:
+where torch runs on OpenMP, the kernels are built with it and split them in C, on the threads
+torch's own ops use; otherwise, and for LSH's, a Python pool splits them
+(:func:`_over_heads`), ctypes letting go of the GIL while C runs. docs/internals.md gives the
+measurements.
 """
 
 from __future__ import annotations
@@ -47,10 +40,10 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnzoo._pages import fresh_as, fresh_empty, fresh_like
-from attnzoo.mechanisms._common import needs_grad
+from attnzoo.backends.cpu.memory import fresh_as, fresh_empty, fresh_like
+from attnzoo.ops import needs_grad
 
-SOURCE = Path(__file__).with_name("native") / "kernels.c"
+SOURCE = Path(__file__).with_name("kernels.c")
 _REALS = {torch.float32: "float", torch.float64: "double"}  # the C type of each dtype built for
 _SCALARS = {"float": ctypes.c_float, "double": ctypes.c_double}
 
@@ -132,6 +125,7 @@ def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
         returns_int = name.endswith("_grad") or name.startswith(("lsh", "parallel", "few"))  # -1: no memory
         fn.argtypes, fn.restype = argtypes, (ctypes.c_int if returns_int else None)
     lib.splits_heads = bool(lib.parallel_build())
+    _register_fork_hook()
     return lib
 
 
@@ -173,12 +167,14 @@ def _compiler() -> str | None:
 
 @cache
 def _which(name: str) -> str | None:
-    """``shutil.which``, once a name: its search of PATH took ~45 µs, on every kernel call."""
+    """``shutil.which``, once a name (a search of PATH on every kernel call cost more than some
+    small calls)."""
     return shutil.which(name)
 
 
 @cache
 def _pool() -> ThreadPoolExecutor:
+    _register_fork_hook()
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="attnzoo")
 
 
@@ -193,8 +189,12 @@ def _after_fork() -> None:
     _pool.cache_clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
+@cache
+def _register_fork_hook() -> None:
+    """Once, when the first kernel library loads or the pool starts: not at import, so that a
+    process that never runs a kernel has no hook of attnzoo's."""
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork)
 
 
 def _heads(t: torch.Tensor) -> torch.Tensor:
@@ -224,9 +224,8 @@ def _key_ok(key_mask, B, H, L):
 
 def _over_heads(n: int, run) -> None:
     """``run(a, b)`` for the heads a..b−1 of n, in parts over torch's intra-op threads: the first
-    part on the calling thread (ctypes lets the GIL go), the others in the pool: with every part
-    handed to the pool, efficient's forward at L = 16 took 184-216 µs on 2 threads, against
-    171-175 (each pool thread woken and waited for costs ~40 µs on the benchmark's VM)."""
+    part on the calling thread (ctypes lets the GIL go), the others in the pool (each pool thread
+    woken and waited for has a cost that short calls feel)."""
     threads = max(1, min(torch.get_num_threads(), n))
     bounds = [n * i // threads for i in range(threads + 1)]
     jobs = [_pool().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
@@ -239,7 +238,7 @@ def _over_heads(n: int, run) -> None:
 
 def _split_heads(lib: ctypes.CDLL, n: int, run) -> None:
     """``run(0, n)`` where the build splits the heads among OpenMP's threads itself (linear's and
-    efficient's kernels, built with it: see native/kernels.c), else :func:`_over_heads`: also in a
+    efficient's kernels, built with it: see kernels.c), else :func:`_over_heads`: also in a
     forked child, where the kernels are told to run each call on its calling thread alone."""
     if lib.splits_heads and not _forked:
         run(0, n)
@@ -533,7 +532,7 @@ def few_queries(q, k, v, key_mask, scale, keep_lse):
     with no key gets 0 (lse −inf). q, k and v in any layout whose rows are contiguous (a layer's
     split of the heads is read in place). O(m·Lk·(D + Dv)) time, O(m·(D + Dv)) memory a head
     beside the output. No autograd: the caller's function takes the gradients
-    (:class:`~attnzoo.mechanisms._common.FewQueries`). None where the kernels cannot run
+    (:class:`~attnzoo.backends.cpu.few.FewQueries`). None where the kernels cannot run
     (:func:`_kernels`)."""
     lib = _kernels(q, k, v)
     if lib is None:
