@@ -34,7 +34,7 @@ def taylor_attention(q, k, v, opts=TaylorOptions(), *, causal=False, key_mask=No
     prefix sums) come from the same engine (:func:`~attnzoo.mechanisms._kernel.kernel_attention`).
     Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv). Cost
     O(L·D·Dv). Li et al., Linear Attention Mechanism: An Efficient Attention for Semantic
-    Segmentation, 2020 (the formula of ../shared/seeds, which sums over all N keys; we sum
+    Segmentation, 2020 (the project seed notes' formula sums over all N keys; we sum
     over the visible ones).
     """
     no_scale("taylor", scale)

@@ -12,21 +12,9 @@ import attnzoo
 from attnzoo import ops
 from attnzoo.backends.cpu import efficient, kernel
 from attnzoo.backends.cpu import native as _native
+from backends.cpu.spies import override_answers
 
 from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
-
-
-def _answers(monkeypatch):
-    """A list that records, call by call, whether the override answered (True) or returned
-    NotImplemented (False: the portable body then ran)."""
-    calls, fast = [], ops._OVERRIDES["efficient_attention"]
-
-    def spy(*args, **kwargs):
-        out = fast(*args, **kwargs)
-        calls.append(out is not NotImplemented)
-        return out
-    monkeypatch.setitem(ops._OVERRIDES, "efficient_attention", spy)
-    return calls
 
 
 def _native_calls(monkeypatch):
@@ -58,7 +46,7 @@ def _fast_and_portable(q, k, v, key_mask, grad_mode):
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_the_override_is_taken_natively_or_by_the_eager_blocks(monkeypatch, native):
     monkeypatch.setenv("ATTNZOO_NATIVE", native)
-    calls, ran = _answers(monkeypatch), _native_calls(monkeypatch)
+    calls, ran = override_answers(monkeypatch, "efficient_attention"), _native_calls(monkeypatch)
     q, k, v, km = random_inputs(B=2, H=2, Lq=9, Lk=11, D=4, masked=True, requires_grad=True)
     attnzoo.attention(q, k, v, mechanism="efficient", key_mask=km).sum().backward()
     with torch.no_grad():
@@ -120,7 +108,7 @@ def test_many_small_blocks(monkeypatch):
     temporaries in one Scratch), backward and gradcheck against the reference."""
     monkeypatch.setenv("ATTNZOO_NATIVE", "0")
     monkeypatch.setattr(kernel, "STREAM_POSITIONS", 12)
-    calls = _answers(monkeypatch)
+    calls = override_answers(monkeypatch, "efficient_attention")
     check_gradcheck("efficient", Lq=5, Lk=7, masked=True)
     for seed in range(3):
         check_against_reference("efficient", Lq=9, Lk=11, masked=True, seed=seed)

@@ -17,29 +17,9 @@ from attnzoo.backends.cpu import native as _native
 from attnzoo.mechanisms._few import attend_few_keys, attend_few_queries
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.mechanisms.nystrom import segment_means
+from backends.cpu.spies import kernel_spy, override_answers
 
 from mechanism_checks import check_gradcheck
-
-
-def _spy(kernel, name, calls):
-    def spy(*args, **kwargs):
-        result = kernel(*args, **kwargs)
-        calls.append((name, result is not None))
-        return result
-    return spy
-
-
-def _answers(monkeypatch, name):
-    """A list that records, call by call, whether operation ``name``'s override answered (True) or
-    returned NotImplemented (False, the portable body then ran)."""
-    calls, fast = [], ops._OVERRIDES[name]
-
-    def spy(*args, **kwargs):
-        out = fast(*args, **kwargs)
-        calls.append(out is not NotImplemented)
-        return out
-    monkeypatch.setitem(ops._OVERRIDES, name, spy)
-    return calls
 
 
 def _fast_and_portable(fn, inputs, grad, *, with_grad=True):
@@ -110,7 +90,7 @@ def test_attend_few_queries_override_is_the_portable_body(monkeypatch, dtype, re
     shape = (2, 3, 5, 300, 8, 8) if small else (2, 3, 50, 1100, 64, 64)
     q, k, v, key_mask, grad = _few_queries_inputs(*shape, layer=True, masked=True, seed=1, dtype=dtype)
     valid = _masks(kind, q, k, key_mask, seed=2)
-    answered = _answers(monkeypatch, "attend_few_queries")
+    answered = override_answers(monkeypatch, "attend_few_queries")
     for with_grad in (False, True):
         fast, plain = _fast_and_portable(lambda *t: attend_few_queries(*t, valid, 0.3), (q, k, v), grad,
                                          with_grad=with_grad)
@@ -128,7 +108,7 @@ def test_attend_few_queries_override_declines_where_it_does_not_apply(monkeypatc
     mask is one it takes (not one a head, (1, H, m, Lk)); without autograd only where the C
     kernel runs (not with ATTNZOO_NATIVE=0, not with a mask a query). Then the portable body."""
     q, k, v, key_mask, _ = _few_queries_inputs(2, 3, 5, 9, 8, 8, False, True, 0)
-    answered = _answers(monkeypatch, "attend_few_queries")
+    answered = override_answers(monkeypatch, "attend_few_queries")
     attend_few_queries(q, k, v[..., :5].detach(), None, 0.5)  # Dv != D
     attend_few_queries(q.half(), k.half(), v.half(), None, 0.5)
     attend_few_queries(q, k, v, torch.ones(1, 3, 5, 9, dtype=torch.bool), 0.5)
@@ -185,8 +165,9 @@ def _few_queries_checked(q, k, v, key_mask, scale, grad, atol, rtol):
     want = (expected, *torch.autograd.grad(expected, (q64, k64, v64), grad.double()))
     calls = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_native, "few_queries", _spy(_native.few_queries, "few_queries", calls))
-        mp.setattr(_native, "few_queries_grad", _spy(_native.few_queries_grad, "few_queries_grad", calls))
+        mp.setattr(_native, "few_queries", kernel_spy(_native.few_queries, "few_queries", calls))
+        mp.setattr(_native, "few_queries_grad",
+                   kernel_spy(_native.few_queries_grad, "few_queries_grad", calls))
         with torch.no_grad():
             plain = attend_few_queries(q, k, v, valid, scale)
         out = attend_few_queries(q, k, v, valid, scale)
@@ -287,7 +268,7 @@ def test_attend_few_keys_override_is_the_portable_body(monkeypatch, dtype, rel, 
     monkeypatch.setattr(few, "KEYS_PIECE", shape[0] * shape[1] * shape[5] * 20)
     q, k, v = _few_keys_inputs(*shape, layer=True, seed=4, dtype=dtype)
     grad = torch.randn(q.shape[:3] + (shape[5],), dtype=dtype, generator=torch.Generator().manual_seed(5))
-    answered = _answers(monkeypatch, "attend_few_keys")
+    answered = override_answers(monkeypatch, "attend_few_keys")
     pieces, apply = [], few.FewKeys.apply
     monkeypatch.setattr(few.FewKeys, "apply", lambda *a: pieces.append(1) or apply(*a))
     for with_grad in (False, True):
@@ -301,7 +282,7 @@ def test_attend_few_keys_override_declines_where_it_does_not_apply(monkeypatch):
     """Without the C kernel: below WHOLE_BYTES_MAX (one SDPA call is faster), and where the
     fused kernel does not fit (Dv != D). Then the portable body."""
     q, k, v = _few_keys_inputs(1, 2, 9, 5, 8, 8, False, 0)
-    answered = _answers(monkeypatch, "attend_few_keys")
+    answered = override_answers(monkeypatch, "attend_few_keys")
     monkeypatch.setenv("ATTNZOO_NATIVE", "0")
     attend_few_keys(q, k, v, 0.5)
     monkeypatch.setattr(few, "WHOLE_BYTES_MAX", 0)
@@ -349,7 +330,7 @@ def _few_keys_checked(q, k, v, scale, grad, atol, rtol):
     output and gradients; both laid out (B, L, H, ·) as SDPA's."""
     calls = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_native, "few_keys", _spy(_native.few_keys, "few_keys", calls))
+        mp.setattr(_native, "few_keys", kernel_spy(_native.few_keys, "few_keys", calls))
         out = attend_few_keys(q, k, v, scale)
     assert calls == [("few_keys", True)]
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -429,7 +410,7 @@ def test_segment_means_override_is_taken_under_autograd_for_equal_segments(monke
     """Taken under autograd, on the CPU, without a key mask, for equal segments; declines without
     autograd (the portable body's forward is the same view), with a mask or unequal segments."""
     x = torch.randn(2, 3, 12, 5, dtype=torch.float64, requires_grad=True)
-    answered = _answers(monkeypatch, "segment_means")
+    answered = override_answers(monkeypatch, "segment_means")
     segment_means(x, 4)
     segment_means(x, 20)  # (m' = L: segments of one row)
     segment_means(x, 5)

@@ -13,6 +13,7 @@ from attnzoo import ops
 from attnzoo.backends.cpu import kernel
 from attnzoo.mechanisms._kernel import FeatureMap, kernel_attention
 from attnzoo.mechanisms.linear import LinearOptions, PointwiseMap, elu_feature_map, linear_flops, linear_step
+from backends.cpu.spies import override_answers
 
 from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
 
@@ -31,17 +32,6 @@ MAPS = {
 }
 
 
-def _answers(monkeypatch, name="kernel_attention"):
-    """A list that records, call by call, whether operation ``name``'s override answered (True) or
-    returned NotImplemented (False: the portable body then ran)."""
-    calls, fast = [], ops._OVERRIDES[name]
-
-    def spy(*args, **kwargs):
-        out = fast(*args, **kwargs)
-        calls.append(out is not NotImplemented)
-        return out
-    monkeypatch.setitem(ops._OVERRIDES, name, spy)
-    return calls
 
 
 def _fast_and_portable(call, inputs, grad_mode="qkv"):
@@ -70,7 +60,7 @@ def _attention(mechanism, options, causal, key_mask):
 @pytest.mark.parametrize("map_name", sorted(MAPS))
 def test_the_override_answers_for_every_map_it_knows(monkeypatch, map_name, causal):
     mechanism, options = MAPS[map_name]
-    calls = _answers(monkeypatch)
+    calls = override_answers(monkeypatch, "kernel_attention")
     q, k, v, km = random_inputs(B=2, H=2, Lq=9, Lk=11, D=4, masked=True, requires_grad=True)
     attnzoo.attention(q, k, v, mechanism=mechanism, causal=causal, key_mask=km, **options).sum().backward()
     with torch.no_grad():
@@ -82,7 +72,7 @@ def test_the_override_answers_for_every_map_it_knows(monkeypatch, map_name, caus
 def test_the_override_declines_what_it_cannot_run(monkeypatch):
     """Trainable random features (the portable body gives them their gradient), performer in half
     precision, a key map it does not know, and tensors off the CPU."""
-    calls = _answers(monkeypatch)
+    calls = override_answers(monkeypatch, "kernel_attention")
     q, k, v, _ = random_inputs(B=1, H=2, Lq=5, Lk=6, D=4)
     W = torch.randn(8, 4, dtype=q.dtype, requires_grad=True)
     attnzoo.attention(q, k, v, mechanism="performer", features=W)
@@ -154,7 +144,7 @@ def test_the_override_gives_the_portable_function_float32_past_its_blocks(monkey
         monkeypatch.setenv("ATTNZOO_NATIVE", "0")
     mechanism, options = MAPS[map_name.split()[0]]
     q, k, v, km = random_inputs(B=1, H=2, Lq=2300, Lk=2300, D=16, masked=True, seed=5, dtype=torch.float32)
-    calls = _answers(monkeypatch)
+    calls = override_answers(monkeypatch, "kernel_attention")
     fast, plain = _fast_and_portable(_attention(mechanism, options, causal, km), (q, k, v), grad_mode)
     assert calls == [True]
     for a, b in zip(fast, plain, strict=True):
@@ -196,7 +186,7 @@ def test_flops_follow_the_path_that_runs(monkeypatch):
     B, H, L, D, Dv = 1, 8, 4096, 64, 64
     recurrence = B * H * L * (4 * D * Dv + 2 * D)
     chunked = B * H * L * (2 * 64 * (D + Dv) + 4 * D * Dv + 2 * D)
-    calls = _answers(monkeypatch, "kernel_attention_flops")
+    calls = override_answers(monkeypatch, "kernel_attention_flops")
     assert linear_flops(B, H, L, L, D, Dv, True, LinearOptions()) == recurrence
     with ops.portable():
         assert linear_flops(B, H, L, L, D, Dv, True, LinearOptions()) == chunked
@@ -213,7 +203,7 @@ def test_streamed_blocks_and_their_recomputing_backward(monkeypatch, name):
     monkeypatch.setenv("ATTNZOO_NATIVE", "0")  # linear's blocks, not its C kernels (test_native.py)
     monkeypatch.setattr(kernel, "STREAM_POSITIONS", 12)  # B·H = 6: two positions a block
     monkeypatch.setattr(kernel, "CAUSAL_POSITIONS", 6)  # causal: one chunk a block
-    calls = _answers(monkeypatch)
+    calls = override_answers(monkeypatch, "kernel_attention")
     check_gradcheck(name, Lq=5, Lk=7, masked=True)
     for seed in range(3):
         check_against_reference(name, Lq=9, Lk=11, masked=True, seed=seed)

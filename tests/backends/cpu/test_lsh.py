@@ -15,6 +15,7 @@ from attnzoo.backends.cpu import lsh as cpu_lsh
 from attnzoo.backends.cpu import native as _native
 from attnzoo.mechanisms import lsh
 from attnzoo.mechanisms.lsh import LSHOptions, _buckets_and_order, _meets
+from backends.cpu.spies import kernel_spy
 
 from mechanism_checks import check_against_reference, random_inputs
 
@@ -25,12 +26,6 @@ def _lsh(q, k, v, km, generator_seed, reference=False, **options):
                                  generator=torch.Generator().manual_seed(generator_seed), **options)
 
 
-def _spy(kernel, name, calls):
-    def spy(*args, **kwargs):
-        result = kernel(*args, **kwargs)
-        calls.append((name, result is not None))
-        return result
-    return spy
 
 
 # The rounds in C (from tests/backends/cpu/test_native.py)
@@ -79,7 +74,7 @@ def test_native_lsh_float32_runs_only_without_gradients(monkeypatch, causal):
     """float32 (the polynomial exp) at the benchmark's widths within float32 rounding of the
     float64 reference; under autograd the eager rounds run (their backward needs them)."""
     calls = []
-    monkeypatch.setattr(_native, "lsh", _spy(_native.lsh, "lsh", calls))
+    monkeypatch.setattr(_native, "lsh", kernel_spy(_native.lsh, "lsh", calls))
     q, _, v, km = random_inputs(B=2, H=4, Lq=301, Lk=301, D=64, Dv=64, masked=True, seed=3)
     options = dict(causal=causal, bucket_size=16, n_hashes=3, shared_qk=True)
     native = _lsh(q.float(), q.float(), v.float(), km, 7, **options)
@@ -191,7 +186,7 @@ def test_hash_and_sort_overrides_are_taken_on_the_cpu(monkeypatch, native):
     calls = []
     in_c = []
     monkeypatch.setattr(_native, "lsh_buckets", _recording(_native.lsh_buckets, in_c))
-    monkeypatch.setattr(_native, "lsh_order", _spy(_native.lsh_order, "lsh_order", calls))
+    monkeypatch.setattr(_native, "lsh_order", kernel_spy(_native.lsh_order, "lsh_order", calls))
     reductions = []
     monkeypatch.setattr(cpu_lsh, "_hash_by_reductions", _recording(cpu_lsh._hash_by_reductions, reductions))
     portable_sorts = []
@@ -223,7 +218,7 @@ def test_attend_override_is_taken_on_the_cpu(monkeypatch, grad, native):
     the groups of chunks (_Rounds); never the portable body, except under ``portable()``."""
     monkeypatch.setenv("ATTNZOO_NATIVE", native)
     calls = []
-    monkeypatch.setattr(_native, "lsh", _spy(_native.lsh, "lsh", calls))
+    monkeypatch.setattr(_native, "lsh", kernel_spy(_native.lsh, "lsh", calls))
     monkeypatch.setattr(cpu_lsh._Rounds, "apply", _recording(cpu_lsh._Rounds.apply, rounds := []))
     monkeypatch.setattr(lsh.attend_rounds, "portable", _recording(lsh.attend_rounds.portable, bodies := []))
     q, _, v, _ = random_inputs(B=2, H=2, Lq=30, Lk=30, D=8, requires_grad=grad)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import attnzoo
 from attnzoo.backends.cpu import native as _native
 from attnzoo.mechanisms.linear import LinearOptions, linear_flops, linear_step
+from backends.cpu.spies import kernel_spy
 
 from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
 
@@ -62,7 +63,7 @@ def test_native_kernel_runs_and_carries_the_state(monkeypatch):
     one call over the whole sequence."""
     calls = []
     for name in ("causal_linear", "linear"):
-        monkeypatch.setattr(_native, name, _spy(getattr(_native, name), name, calls))
+        monkeypatch.setattr(_native, name, kernel_spy(getattr(_native, name), name, calls))
     q, k, v, _ = random_inputs(B=2, H=2, Lq=12, Lk=12, D=6, Dv=4, seed=5)
     with torch.no_grad():
         attnzoo.attention(q, k, v, mechanism="linear")
@@ -78,12 +79,6 @@ def test_native_kernel_runs_and_carries_the_state(monkeypatch):
     torch.testing.assert_close(whole, ref, atol=1e-10, rtol=1e-8)
 
 
-def _spy(kernel, name, calls):
-    def spy(*args, **kwargs):
-        result = kernel(*args, **kwargs)
-        calls.append((name, result is not None))
-        return result
-    return spy
 
 
 @pytest.mark.parametrize("how", ["off", "no compiler", "build fails"])
@@ -194,7 +189,7 @@ def test_native_backward(monkeypatch, masked, causal):
     come through the state before, and queries before the first key), padded keys, D != Dv;
     gradcheck; and the same gradients from the eager engine."""
     calls, name = [], "causal_linear" if causal else "linear"
-    monkeypatch.setattr(_native, name, _spy(getattr(_native, name), name, calls))
+    monkeypatch.setattr(_native, name, kernel_spy(getattr(_native, name), name, calls))
     for seed, (Lq, Lk, D, Dv) in enumerate([(9, 14, 8, 5), (6, 3, 17, 8), (1, 5, 3, 1), (13, 13, 16, 16)]):
         check_against_reference("linear", B=2, H=3, Lq=Lq, Lk=Lk, D=D, Dv=Dv, causal=causal, masked=masked,
                                 seed=seed)
@@ -254,7 +249,7 @@ def test_native_efficient_shifts_by_the_true_maxima(monkeypatch, dtype, atol, D)
     maximum and each key feature by its maximum over the keys (a shift any smaller, such as a
     lane's or a half's maximum, gives inf or nan). D = 64 fills whole vectors of lanes, 17 not."""
     calls = []
-    monkeypatch.setattr(_native, "efficient", _spy(_native.efficient, "efficient", calls))
+    monkeypatch.setattr(_native, "efficient", kernel_spy(_native.efficient, "efficient", calls))
     q, k, v, km = random_inputs(B=2, H=3, Lq=33, Lk=29, D=D, Dv=8, masked=True, seed=5)
     q, k = q * 300, k * 300
     with torch.no_grad():
@@ -266,7 +261,7 @@ def test_native_efficient_shifts_by_the_true_maxima(monkeypatch, dtype, atol, D)
 
 def test_native_efficient_runs_float32_and_gradcheck(monkeypatch):
     calls = []
-    monkeypatch.setattr(_native, "efficient", _spy(_native.efficient, "efficient", calls))
+    monkeypatch.setattr(_native, "efficient", kernel_spy(_native.efficient, "efficient", calls))
     check_gradcheck("efficient", masked=True, Lq=5, Lk=7)
     q, k, v, km = random_inputs(B=2, H=4, Lq=301, Lk=257, D=64, Dv=64, masked=True, seed=3)
     with torch.no_grad():
@@ -284,7 +279,7 @@ def test_native_float32_gradients_at_vector_widths(monkeypatch, mechanism, causa
     whole 64-byte vectors (64 and 48 values: on AVX-512 the four-row products hold them in
     registers, kernels.c IN_REGISTERS) and past four of them (80: the loops GCC vectorises)."""
     calls = []
-    monkeypatch.setattr(_native, name, _spy(getattr(_native, name), name, calls))
+    monkeypatch.setattr(_native, name, kernel_spy(getattr(_native, name), name, calls))
     q, k, v, km = random_inputs(B=2, H=3, Lq=157, Lk=157, D=D, Dv=Dv, masked=True, seed=7, requires_grad=True)
     g = torch.randn(2, 3, 157, Dv, dtype=q.dtype, generator=torch.Generator().manual_seed(7))
     kw = dict(mechanism=mechanism, causal=causal, key_mask=km)

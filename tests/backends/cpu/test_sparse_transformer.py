@@ -14,6 +14,7 @@ from attnzoo import ops
 from attnzoo.backends.cpu import fused, windows
 from attnzoo.backends.cpu import sparse_transformer as backend
 from attnzoo.mechanisms import sparse_transformer
+from backends.cpu.spies import override_answers
 
 from mechanism_checks import check_against_reference
 
@@ -33,19 +34,6 @@ def _spy(monkeypatch):
     return calls
 
 
-def _answered(monkeypatch, name):
-    """Whether the override of operation ``name`` answered (True) or left the call (False), call
-    by call."""
-    answers = []
-    override = ops._OVERRIDES[name]
-
-    def spy(*args, **kwargs):
-        out = override(*args, **kwargs)
-        answers.append(out is not NotImplemented)
-        return out
-
-    monkeypatch.setitem(ops._OVERRIDES, name, spy)
-    return answers
 
 
 def _a2_both_ways(q, k, v, key_valid, *, l, c, causal, own, grad, seed):
@@ -192,7 +180,7 @@ def test_residues_match_the_portable_body_in_float64(monkeypatch, causal, includ
     """strided's residue classes by the override against the portable body in float64, outputs and
     gradients of o and lse: a class or two a chunk, a ragged last row of classes, a key mask
     that leaves a batch entry one key; without autograd written into place."""
-    answers = _answered(monkeypatch, "attend_residues")
+    answers = override_answers(monkeypatch, "attend_residues")
     monkeypatch.setattr(backend, "SCORES_PER_CHUNK", 2 * 3 * 6 * 6 * 2)  # B·H·m²·2: two classes
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 23, 8, generator=g, dtype=torch.float64) for _ in range(3))
@@ -213,7 +201,7 @@ def test_residues_match_the_portable_body_in_float64(monkeypatch, causal, includ
 def test_residues_match_the_portable_body_in_float32(monkeypatch, grad):
     """The same in float32 at L = 2000, B·H = 8, l = 45 (classes of 45 positions), causal,
     several chunks of classes."""
-    answers = _answered(monkeypatch, "attend_residues")
+    answers = override_answers(monkeypatch, "attend_residues")
     monkeypatch.setattr(backend, "SCORES_PER_CHUNK", 2**16)
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 4, 2000, 16, generator=g) for _ in range(3))
@@ -231,7 +219,7 @@ def test_merge_matches_the_portable_body(monkeypatch, dtype, L, grad):
     """The union's merge by the override against the portable merge, output and gradients of
     both parts' o and lse: rows where one part has no key (lse -inf) and where neither has
     (0, and zero gradients, not nan)."""
-    answers = _answered(monkeypatch, "merge_two_partials")
+    answers = override_answers(monkeypatch, "merge_two_partials")
     g = torch.Generator().manual_seed(9)
     o_a, o_b = (torch.randn(2, 3, L, 4, generator=g, dtype=dtype) for _ in range(2))
     lse_a, lse_b = (torch.randn(2, 3, L, generator=g, dtype=dtype) * 5 for _ in range(2))
@@ -255,7 +243,7 @@ def test_merge_matches_the_portable_body(monkeypatch, dtype, L, grad):
 def test_a2_parts_leave_half_precision(monkeypatch):
     """Half precision: the A2 parts by the portable bodies; their partials come in float32, which
     the merge takes."""
-    answers = {name: _answered(monkeypatch, name)
+    answers = {name: override_answers(monkeypatch, name)
                for name in ("attend_residues", "attend_summary_cells", "merge_two_partials")}
     q = torch.randn(1, 2, 20, 8, dtype=torch.float16)
     for name in ("strided", "fixed"):

@@ -10,8 +10,8 @@
  * the exponent clamped at log(the smallest normal number), as attnzoo's eager map. The state
  * S (DK x DV) and z stay in L1 cache; two positions go through S per pass (half its loads
  * and stores); the loops over DV are vectorised by the compiler. DK, DV and REAL (float or
- * double) are set when it is compiled (attnzoo/_native.py). Work: 2 DK DV multiply-adds per
- * key and per query, the algorithm's least (the FLOP floor of issue 8). The non-causal
+ * double) are set when it is compiled (attnzoo/backends/cpu/native.py). Work: 2 DK DV multiply-adds per
+ * key and per query, the algorithm's least (its FLOP floor). The non-causal
  * backward (linear_queries_grad, linear_keys_grad) likewise: 4 DK DV a position; the causal
  * one (causal_linear_grad) runs the recurrence forward for dq, then backward: 6 DK DV.
  */
@@ -30,7 +30,7 @@
 /* Linear's and efficient's heads are split among the threads of the OpenMP runtime that torch's
  * own parallel ops use, where the build has one (-fopenmp: libgomp.so.1, the one torch loaded):
  * a region of its threads, still spinning from torch's last op, took ~1 us to hand out and
- * join, against ~85 us for a Python thread pool's (attnzoo/_native.py). Without it the heads
+ * join, against ~85 us for a Python thread pool's (attnzoo/backends/cpu/native.py). Without it the heads
  * run one after another here, and Python splits them among its own threads. */
 #ifdef _OPENMP
 #define OVER_HEADS _Pragma("omp parallel for schedule(static) if(!serial)")
