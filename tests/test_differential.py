@@ -84,8 +84,9 @@ def small_sizes(draw, name):
 
 def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     """``x`` (B, H, L, D) with the same values, laid out as ``layout``; differentiable in x."""
-    if layout == "transposed":  # (B, L, H, D) storage
-        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "transposed":  # (B, L, H, D) storage (contiguous() would keep a size-1 H's stride)
+        storage = x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3])
+        return storage.copy_(x.transpose(1, 2)).transpose(1, 2)
     if layout == "last_dim_strided":  # every other element of a wider row
         return torch.stack([x, torch.zeros_like(x)], -1).flatten(-2)[..., ::2]
     return x
@@ -220,6 +221,16 @@ def test_every_layout(name, layout):
     blocks), without a key mask (the CPU backend's fused paths take only such calls)."""
     check(name, dict(B=1, H=2, Lq=640, Lk=640, D=16, causal=False, masked=False, grad_mode="qkv",
                      layout=layout, seed=0, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_with_one_head(name, layout):
+    """One head and several batch entries, as a layer of one head splits them: a transposed
+    (B, L, 1, D) tensor keeps a head stride that torch ignores (a dimension of size 1), and the
+    C kernels read heads that far apart (they read the wrong rows of batch entries 1 and up)."""
+    check(name, dict(B=3, H=1, Lq=200, Lk=200, D=8, causal=False, masked=False, grad_mode="qkv",
+                     layout=layout, seed=2, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("name", MECHANISMS)

@@ -198,12 +198,18 @@ def _register_fork_hook() -> None:
 
 
 def _heads(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, X) with rows of X contiguous values and heads one stride apart (as a slice of
-    positions of a contiguous tensor is), else a contiguous copy."""
+    """(B, H, L, X) with rows of X contiguous values and its B·H heads ``stride(1)`` apart (as a
+    slice of positions of a contiguous tensor is), else a copy with torch's standard strides.
+    With one head the heads are the batch entries, so stride(1) is set to stride(0): torch keeps
+    any stride for a dimension of size 1 (a (B, L, 1, X) tensor's transpose has X there, and
+    ``contiguous()`` returns it as it is)."""
     B, H, L, X = t.shape
-    if t.stride(3) == 1 and (L < 2 or t.stride(2) == X) and (B < 2 or t.stride(0) == H * t.stride(1)):
+    if H == 1:
+        t = t.as_strided(t.shape, (t.stride(0), t.stride(0), *t.stride()[2:]), t.storage_offset())
+    rows_dense = (X < 2 or t.stride(3) == 1) and (L < 2 or t.stride(2) == X)
+    if rows_dense and (B < 2 or t.stride(0) == H * t.stride(1)):
         return t
-    return t.contiguous()
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _kernels(*ts: torch.Tensor, sizes: tuple[int, int] | None = None) -> ctypes.CDLL | None:
