@@ -19,6 +19,14 @@ from backends.cpu.spies import override_answers
 from mechanism_checks import check_against_reference
 
 
+def _partial_grads(o, lse, leaves, seed):
+    """The gradients of ``leaves`` for random weights on a partial's o and (finite) lse."""
+    g = torch.Generator().manual_seed(seed)
+    w_o, w_lse = (torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (o, lse))
+    loss = (o * w_o).sum() + (lse.where(torch.isfinite(lse), 0.0) * w_lse).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
 def _spy(monkeypatch):
     """{"kernel": chunks by the fused kernel, "softmax": chunks by the backend's softmax}."""
     calls = {"kernel": 0, "softmax": 0}
@@ -46,13 +54,7 @@ def _a2_both_ways(q, k, v, key_valid, *, l, c, causal, own, grad, seed):
                 m.setattr(sparse_transformer, "summary_partial", sparse_transformer.summary_partial.portable)
             leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
             o, lse = sparse_transformer._fixed_a2(*leaves, key_valid, l, c, causal, own, 0.3)
-        grads = None
-        if grad:
-            g = torch.Generator().manual_seed(seed)
-            w_o, w_lse = (torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (o, lse))
-            loss = (o * w_o).sum() + (lse.where(torch.isfinite(lse), 0.0) * w_lse).sum()
-            grads = torch.autograd.grad(loss, leaves)
-        results.append(((o.detach(), lse.detach()), grads))
+        results.append(((o.detach(), lse.detach()), _partial_grads(o, lse, leaves, seed) if grad else None))
     return results
 
 
@@ -163,13 +165,7 @@ def _residues_both_ways(q, k, v, key_valid, *, l, causal, include_self, grad, se
         leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
         with ops.portable() if portable else torch.enable_grad():
             o, lse = sparse_transformer._strided_a2(*leaves, key_valid, l, causal, include_self)
-        grads = None
-        if grad:
-            g = torch.Generator().manual_seed(seed)
-            w_o, w_lse = (torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (o, lse))
-            loss = (o * w_o).sum() + (lse.where(torch.isfinite(lse), 0.0) * w_lse).sum()
-            grads = torch.autograd.grad(loss, leaves)
-        results.append(((o.detach(), lse.detach()), grads))
+        results.append(((o.detach(), lse.detach()), _partial_grads(o, lse, leaves, seed) if grad else None))
     return results
 
 
