@@ -182,3 +182,17 @@ def record_band_calls(monkeypatch) -> list[str]:
     for method in ("forward", "backward"):
         monkeypatch.setattr(windows._Band, method, recording(method))
     return calls
+
+
+def tied_hash_inputs(dtype):
+    """(x (2, 3, 37, 6), rotations (3, 6, 8), the expected buckets) for LSH's hash: ties across
+    the halves (x rows of 0: every rotated value 0) and tied columns inside each half, the
+    buckets argmax([xR; −xR]) by argmax's first-maximum rule."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 37, 6, generator=g, dtype=dtype)
+    x[0, 0, :4] = 0  # every rotated value 0: a tie across the halves
+    rotations = torch.randn(3, 6, 8, generator=g)
+    rotations[:, :, 5] = rotations[:, :, 2]  # tied columns inside each half
+    rotated = torch.einsum("bhld,rdc->bhrlc", x, rotations.to(dtype))
+    return x, rotations, torch.cat([rotated, -rotated], -1).argmax(-1)
+

@@ -15,6 +15,7 @@ from mechanism_checks import (
     check_gradcheck,
     random_inputs,
     seeded,
+    tied_hash_inputs,
 )
 
 lsh_cases = cases(cross=False, D=(2, 6), bucket_size=st.integers(1, 9), n_hashes=st.integers(1, 4),
@@ -122,13 +123,7 @@ def test_hash_buckets_is_the_argmax_of_the_concatenation(monkeypatch, dtype):
     from attnzoo.mechanisms import lsh
 
     monkeypatch.setattr(lsh, "HASH_BLOCK", 2 * 3 * 3 * 8 * 5)  # 5 positions a block: several blocks
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 37, 6, generator=g, dtype=dtype)
-    x[0, 0, :4] = 0  # every rotated value 0: a tie across the halves
-    rotations = torch.randn(3, 6, 8, generator=g)
-    rotations[:, :, 5] = rotations[:, :, 2]  # tied columns inside each half
-    rotated = torch.einsum("bhld,rdc->bhrlc", x, rotations.to(dtype))
-    expected = torch.cat([rotated, -rotated], -1).argmax(-1)
+    x, rotations, expected = tied_hash_inputs(dtype)
     with attnzoo.ops.portable():
         assert torch.equal(lsh.hash_buckets(x.to(DEVICE), rotations.to(DEVICE)).cpu(), expected)
 

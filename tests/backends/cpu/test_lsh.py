@@ -17,7 +17,7 @@ from attnzoo.mechanisms import lsh
 from attnzoo.mechanisms.lsh import LSHOptions, _buckets_and_order, _meets
 from backends.cpu.spies import kernel_spy
 
-from mechanism_checks import check_against_reference, random_inputs
+from mechanism_checks import check_against_reference, random_inputs, tied_hash_inputs
 
 
 def _lsh(q, k, v, km, generator_seed, reference=False, **options):
@@ -161,13 +161,7 @@ def test_hash_buckets_is_the_argmax_of_the_concatenation(monkeypatch, dtype, nat
     in C (from (xR)ᵀ) and by reductions (the override without the kernels)."""
     monkeypatch.setenv("ATTNZOO_NATIVE", native)
     monkeypatch.setattr(cpu_lsh, "HASH_BLOCK", 2 * 3 * 3 * 4 * 5)  # 5 positions a block: several blocks
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 37, 6, generator=g, dtype=dtype)
-    x[0, 0, :4] = 0  # every rotated value 0: a tie across the halves
-    rotations = torch.randn(3, 6, 8, generator=g)
-    rotations[:, :, 5] = rotations[:, :, 2]  # tied columns inside each half
-    rotated = torch.einsum("bhld,rdc->bhrlc", x, rotations.to(dtype))
-    expected = torch.cat([rotated, -rotated], -1).argmax(-1)
+    x, rotations, expected = tied_hash_inputs(dtype)
     assert torch.equal(cpu_lsh.hash_buckets(x, rotations), expected)
 
 

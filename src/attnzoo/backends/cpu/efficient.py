@@ -17,8 +17,9 @@ import torch
 
 from attnzoo.backends.cpu import native
 from attnzoo.backends.cpu.fused import LOG2E
-from attnzoo.backends.cpu.kernel import finite_or_zero, key_blocks, stream_rows
+from attnzoo.backends.cpu.kernel import key_blocks, stream_rows
 from attnzoo.backends.cpu.memory import Scratch, fresh_empty, fresh_like
+from attnzoo.mechanisms._softmax import finite_or_zero
 from attnzoo.ops import needs_grad, override
 
 

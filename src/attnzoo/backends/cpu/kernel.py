@@ -30,6 +30,7 @@ from attnzoo.backends.cpu import native
 from attnzoo.backends.cpu.fused import LOG2E
 from attnzoo.backends.cpu.memory import Scratch, fresh_empty, fresh_like, scratch_buffer
 from attnzoo.masks import causal_offset
+from attnzoo.mechanisms._softmax import finite_or_zero
 from attnzoo.ops import needs_grad, override
 
 # ---------------------------------------------------------------------------------------------
@@ -190,11 +191,6 @@ class _Favor:
             return _FavorMap.apply(x, self.W, self.Wt, self.root_s, stabilise, mask)
         xs = torch.mul(x, self.root_s, out=scratch("xs", x.shape))
         return _base2_features(xs, self.Wt, stabilise, mask, scratch)
-
-
-def finite_or_zero(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with ±inf and nan replaced by 0: a safe shift where no key is real."""
-    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
 
 
 def _engine_maps(phi, dtype):
