@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch is pinned: 2.13.0 is the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[cli,dev]"
+	$(PY) -m pip install --quiet -e ".[cli,dev,hf]"
 	touch $(STAMP)
 
 bench: $(STAMP)
@@ -25,7 +25,8 @@ patterns: $(STAMP)
 # The suite with the CPU backend, then the mechanisms' tests with every override off
 # (ATTNZOO_FAST=0: the portable code, as a GPU runs it).
 PORTABLE_TESTS = tests/test_differential.py tests/test_nn.py $(filter-out tests/test_cli.py tests/test_readme.py \
-	tests/test_layers.py tests/test_differential.py tests/test_nn.py,$(wildcard tests/test_*.py))
+	tests/test_layers.py tests/test_differential.py tests/test_nn.py tests/test_swap.py tests/test_hf.py,\
+	$(wildcard tests/test_*.py))
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -12,6 +12,8 @@ import attnzoo.backends.cpu as _cpu_backend  # noqa: F401  isort: skip  (registe
 from attnzoo.backends.cpu.memory import empty_cache
 from attnzoo.nn import MultiheadAttention
 from attnzoo.registry import attention, connectivity, get, mechanisms
+from attnzoo.swap import swap_attention
 
-__all__ = ["MultiheadAttention", "attention", "connectivity", "empty_cache", "get", "mechanisms"]
+__all__ = ["MultiheadAttention", "attention", "connectivity", "empty_cache", "get", "mechanisms",
+           "swap_attention"]
 __version__ = "0.1.0"
