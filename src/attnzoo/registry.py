@@ -18,6 +18,7 @@ has the same signature.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +154,8 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(f"k and v must have the same length Lk: got {k.shape[2]} and {v.shape[2]}")
     if q.shape[2] == 0 or k.shape[2] == 0:
         raise ValueError(f"sequence lengths must be >= 1, got Lq={q.shape[2]}, Lk={k.shape[2]}")
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(f"head dims must be >= 1, got D={q.shape[-1]} (q, k) and Dv={v.shape[-1]} (v)")
 
 
 def _check_key_mask(key_mask, k) -> None:
@@ -215,7 +218,8 @@ def attention(
             unknown names raise ValueError.
 
     Returns:
-        ``(B, H, Lq, Dv)``, the dtype of ``q``.
+        ``(B, H, Lq, Dv)``, the dtype of ``q``; empty where B or H is 0. ValueError for
+        D = 0, a length of 0, or a scale that is not finite and positive.
     """
     spec = get(mechanism)
     opts = make_options(spec, options)
@@ -223,14 +227,17 @@ def attention(
     _check_key_mask(key_mask, k)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                  and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if spec.randomized and generator is not None and generator.device.type != q.device.type:
         raise ValueError(f"generator is on {generator.device.type} but q on {q.device.type}: "
                          f"{mechanism} draws on q's device, so pass torch.Generator(device=q.device)")
     _check_capabilities(spec, q, k, causal, key_mask)
+    if q.shape[0] == 0 or q.shape[1] == 0:  # no batch entries or no heads: torch's empty result
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)  # (B, H, Lq, Dv), with autograd
     fn = spec.reference if reference else spec.fn
     return fn(q, k, v, opts, causal=causal, key_mask=key_mask, scale=scale, generator=generator)
 
@@ -239,7 +246,7 @@ def connectivity(
     mechanism: str,
     length: int | None = None,
     *,
-    causal: bool = True,
+    causal: bool = False,
     q: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
