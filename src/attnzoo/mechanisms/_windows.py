@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnzoo.mechanisms._softmax import partial_softmax
+from attnzoo.mechanisms._softmax import excluding_nonfinite_values, partial_softmax
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.ops import operation
 
@@ -43,6 +43,7 @@ def window_partial(q, k, v, key_valid, *, block, left, right, allowed, scale):
     B, H, L, _ = q.shape
     nb = -(-L // block)  # query blocks
     span = block + left + right
+    k, v = excluding_nonfinite_values(k, v)  # a window holds keys some of its queries may not see
     q_blocks = pad_to(q * scale, nb * block).unflatten(2, (nb, block))  # (B, H, nb, block, D)
     k_win, v_win = (pad_to(t, nb * block + left + right, front=left).unfold(2, span, block).transpose(-1, -2)
                     for t in (k, v))  # (B, H, nb, span, ·)

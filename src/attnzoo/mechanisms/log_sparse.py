@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo.mechanisms._softmax import softmax_scale, wide
+from attnzoo.mechanisms._softmax import excluding_nonfinite_values, softmax_scale, wide
 from attnzoo.mechanisms._windows import last_rows, pattern_reference, to_frame
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.ops import operation
@@ -101,6 +101,7 @@ def offset_attention(q, k, v, valid, *, offsets, scale):
     """
     N = q.shape[2]
     q = q * scale
+    k, v = excluding_nonfinite_values(k, v)  # an offset's values are weighed by 0 where it is not valid
     shifts = [_shift(N, d) for d in offsets]  # (rows, keys) of each offset
     scores = torch.stack([_placed(torch.linalg.vecdot(wide(q[:, :, rows]), wide(k[:, :, keys])), rows, N)
                           for rows, keys in shifts], -1)  # (B, H, N, n_offsets)

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnzoo.mechanisms._softmax import merge_partials, partial_softmax, softmax_scale, wide
+from attnzoo.mechanisms._softmax import (
+    excluding_nonfinite_values,
+    merge_partials,
+    partial_softmax,
+    softmax_scale,
+    wide,
+)
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.ops import operation
 from attnzoo.registry import Capabilities, Mechanism, register
@@ -139,10 +145,11 @@ def attend_rounds(q, k, v, hashed, key_mask, causal, opts, scale):
     a round, merged. ``k`` is q with ``shared_qk`` (the keys are then q/‖q‖).
     -> (B, H, L, Dv) in q's dtype (half precision computes in float32)."""
     keys = F.normalize(wide(q), dim=-1) if opts.shared_qk else wide(k)
+    keys, v = excluding_nonfinite_values(keys, wide(v))  # a chunk's window holds keys it may not see
     q_order, k_order = hashed[2], hashed[3]
     q_slot = _inverse(q_order)  # (B, H, n_hashes, L): the sorted slot of each position
     slots = q_slot, q_slot if k_order is q_order else _inverse(k_order)
-    parts = [_round(wide(q), keys, wide(v), r, hashed, slots, key_mask, causal, opts, scale)
+    parts = [_round(wide(q), keys, v, r, hashed, slots, key_mask, causal, opts, scale)
              for r in range(opts.n_hashes)]
     return merge_partials(parts)[0].to(q.dtype)
 

@@ -20,7 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.mechanisms._softmax import merge_partials, partial_softmax, softmax_scale
+from attnzoo.mechanisms._softmax import (
+    excluding_nonfinite_values,
+    merge_partials,
+    partial_softmax,
+    softmax_scale,
+)
 from attnzoo.mechanisms._windows import (
     last_rows,
     pad_to,
@@ -118,6 +123,7 @@ def residue_partial(qr, kr, vr, valid):
     of about A2_SCORES_PER_CHUNK scores, so a forward's temporaries stay O(2^20).
     """
     B, H, l, m, _ = qr.shape
+    kr, vr = excluding_nonfinite_values(kr, vr)  # a class's keys: some not seen by some of its queries
     per = max(1, A2_SCORES_PER_CHUNK // (B * H * m * m))  # residue classes at a time, in cache
     # split, not slices: the backward then joins the pieces' gradients in one pass
     parts = [partial_softmax(q_r @ k_r.transpose(-1, -2), valid_r, v_r)  # (B, H, n, m, m): a_i, a_j
@@ -190,6 +196,7 @@ def summary_partial(q, k_sum, v_sum, cells_for):
     keeps each chunk's weights).
     """
     B, H, L, _ = q.shape
+    k_sum, v_sum = excluding_nonfinite_values(k_sum, v_sum)  # (cells some queries of a chunk may not see)
     rows = max(1, A2_SCORES_PER_CHUNK // (B * H * k_sum.shape[2]))
     parts = []
     # split, not slices: the backward then joins the chunks' gradients in one pass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from attnzoo.backends.cpu.memory import Scratch, fresh_empty, fresh_like
+from attnzoo.mechanisms._softmax import all_finite
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.ops import override
 
@@ -27,8 +28,9 @@ SCORES_PER_CHUNK = 2**20  # a block's products (all batches and heads): B·H·D 
 def attend_offsets(q, k, v, valid, *, offsets, scale):
     """:func:`~attnzoo.mechanisms.log_sparse.offset_attention` by blocks of positions (module
     doc), or NotImplemented where it does not apply."""
+    # (keys or values that are not finite: the portable body keeps them to the rows that see them)
     if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64)
-            or not offsets or offsets[0] != 0):
+            or not offsets or offsets[0] != 0 or not all_finite(k, v)):
         return NotImplemented
     return _OffsetAttention.apply(q * scale, k, v, _Offsets(offsets, q.shape[2], valid))
 

@@ -12,8 +12,8 @@
   meeting codes (:func:`_meeting_codes`): a round penalises the keys its queries met in an
   earlier round.
 
-Each returns NotImplemented off the CPU (and the hash and the sort where the kernels cannot
-run), and the portable body runs.
+Each returns NotImplemented off the CPU (the hash where x is not finite, the sort where the kernels
+cannot run, the rounds where a key or a value is not finite), and the portable body runs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from attnzoo.backends.cpu import native
 from attnzoo.backends.cpu.fused import LOG2E
 from attnzoo.backends.cpu.memory import fresh_empty, fresh_like
-from attnzoo.mechanisms._softmax import wide
+from attnzoo.mechanisms._softmax import all_finite, wide
 from attnzoo.mechanisms.lsh import SELF_PENALTY, hashable, n_buckets_for
 from attnzoo.ops import override
 
@@ -34,8 +34,10 @@ HASH_BLOCK = 2**20  # rotated values computed at a time while hashing: the block
 @override("lsh_buckets")
 def hash_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """argmax([xR; −xR]) by blocks of positions (each block's rotated values stay in cache), in
-    C where the native kernels run, else by reductions (:func:`_hash_by_reductions`)."""
-    if x.device.type != "cpu" or rotations.shape[-1] == 0:
+    C where the native kernels run, else by reductions (:func:`_hash_by_reductions`). Neither finds
+    the maximum of a row holding a nan (its bucket would be b, out of range, where argmax gives the
+    nan's index): x that is not finite goes to the portable hash."""
+    if x.device.type != "cpu" or rotations.shape[-1] == 0 or not all_finite(x):
         return NotImplemented
     x, rotations = hashable(x, rotations)
     B, H, L, _ = x.shape
@@ -81,8 +83,11 @@ def bucket_order(buckets: torch.Tensor, n_buckets: int) -> torch.Tensor:
 
 @override("lsh_attend")
 def attend_rounds(q, k, v, hashed, key_mask, causal, opts, scale):
-    """The rounds in C without gradients, else by :class:`_Rounds` (on the CPU, any float dtype)."""
-    if q.device.type != "cpu":
+    """The rounds in C without gradients, else by :class:`_Rounds` (on the CPU, any float dtype).
+    Both penalise the scores of keys out of a query's reach and weigh their values by 0, so a nan
+    or an inf there would reach queries that do not see it: not for keys or values that are not
+    finite."""
+    if q.device.type != "cpu" or not all_finite(q if opts.shared_qk else k, v):
         return NotImplemented
     codes = None
     if opts.count_duplicates and opts.n_hashes > 1:

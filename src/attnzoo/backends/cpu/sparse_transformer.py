@@ -1,7 +1,8 @@
 """The Sparse Transformer's A2 parts on the CPU: a leaner softmax, torch's fused attention
 kernel where it fits, and results written into place without autograd.
 
-Overrides, on the CPU in float32 and float64 (elsewhere the portable bodies run):
+Overrides, on the CPU in float32 and float64 with finite keys and values (elsewhere the portable
+bodies run, which keep a nan or an inf from the queries that may not see it):
 
 - ``attend_summary_cells`` (fixed's summary cells,
   :func:`attnzoo.mechanisms.sparse_transformer.summary_partial`): without autograd, where q, k,
@@ -28,7 +29,7 @@ import torch
 
 from attnzoo.backends.cpu import fused
 from attnzoo.backends.cpu.memory import fresh_empty
-from attnzoo.mechanisms._softmax import finite_or_zero
+from attnzoo.mechanisms._softmax import all_finite, finite_or_zero
 from attnzoo.ops import needs_grad, override
 
 FUSED_A2_MASK = 2**20  # by the fused kernel: entries of a chunk's (rows, cells) mask, read for every head
@@ -44,7 +45,7 @@ def _fits(q: torch.Tensor) -> bool:
 def attend_summary_cells(q, k_sum, v_sum, cells_for):
     """:func:`~attnzoo.mechanisms.sparse_transformer.summary_partial` by chunks of queries, each
     by the fused kernel or by :func:`partial_softmax` (module doc)."""
-    if not _fits(q):
+    if not _fits(q) or not all_finite(k_sum, v_sum):
         return NotImplemented
     (B, H, L, _), n = q.shape, k_sum.shape[2]
     kernel = not needs_grad(q, k_sum, v_sum) and fused.fits(q, k_sum, v_sum)
@@ -87,7 +88,7 @@ def merge_two_partials(part_a, part_b):
 def attend_residues(qr, kr, vr, valid):
     """:func:`~attnzoo.mechanisms.sparse_transformer.residue_partial` by chunks of residue classes,
     each by :func:`partial_softmax` (module doc)."""
-    if not _fits(qr):
+    if not _fits(qr) or not all_finite(kr, vr):
         return NotImplemented
     B, H, l, m, _ = qr.shape
     per = max(1, SCORES_PER_CHUNK // (B * H * m * m))  # residue classes at a time

@@ -3,8 +3,11 @@ a backward that recomputes the weights block by block.
 
 Overrides ``attend_windows`` (:func:`attnzoo.mechanisms._windows.window_partial`) where the fused
 kernel may take the call: no key padding, q, k, v that :func:`attnzoo.backends.cpu.fused.fits`
-(CPU, float32 or float64, Dv = D, rows of stride 1), and every query inside the sequence with a
-key to see. Elsewhere it returns NotImplemented and the portable body runs.
+(CPU, float32 or float64, Dv = D, rows of stride 1), every query inside the sequence with a
+key to see, and finite keys and values (the kernel computes a window's masked keys too, adding
+-inf to their scores and weighing their values by 0: a nan or an inf there would reach queries
+that may not see it, which the portable body prevents). Elsewhere it returns NotImplemented and
+the portable body runs.
 
 The forward (:meth:`_Band.forward`) gives the kernel each query block with its window of keys as
 a batch of small attentions. The blocks whose window lies inside the sequence share one relative
@@ -25,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from attnzoo.backends.cpu import fused, native
 from attnzoo.backends.cpu.memory import fresh_empty
+from attnzoo.mechanisms._softmax import all_finite
 from attnzoo.mechanisms._windows import pad_to
 from attnzoo.ops import override
 
@@ -40,7 +44,7 @@ def attend_windows(q, k, v, key_valid, *, block, left, right, allowed, scale):
         return NotImplemented
     B, H, L, D = q.shape
     band = _Band(B * H, L, block, left, right, allowed, q.dtype, q.device, scale)
-    if band.has_query_without_keys():
+    if band.has_query_without_keys() or not all_finite(k, v):  # (module doc)
         return NotImplemented
     q_rows = pad_to(q, band.Lp).reshape(B * H, band.Lp, D)
     k_rows, v_rows = (t.reshape(B * H, L, t.shape[-1]) for t in (k, v))  # the keys as they are
