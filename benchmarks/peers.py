@@ -696,7 +696,8 @@ def floor_rate(doc: dict) -> tuple[float, str]:
 
 def main_parent(args) -> None:
     from rich.console import Console
-    from rich.progress import Progress
+
+    from attnzoo.progress import progress
 
     console = Console(stderr=True)
     names = args.only.split(",") if args.only else list(PAIRS)
@@ -717,17 +718,17 @@ def main_parent(args) -> None:
     runs = {job: {s: [] for s in ["ours"] + (["peer"] if PAIRS[job[0]].peer else [])
                   + (["paired"] if PAIRS[job[0]].mechanism == "full" else [])} for job in jobs}
     out, started = Path(args.out), time.time()
-    with Progress(console=console) as progress:
-        task = progress.add_task("pairs", total=len(jobs) * args.rounds)
+    with progress(console) as bar:
+        task = bar.add_task("pairs", total=len(jobs) * args.rounds)
         for r, due in rounds_due(jobs, runs, args.rounds, args.cheap_rounds):
             for i in due:
                 (n, L), cell = jobs[i], runs[jobs[i]]
                 sides = list(cell)
                 for side in sides if (r + i) % 2 == 0 else sides[::-1]:  # by round and cell
-                    progress.update(task, description=f"{n} L={L} {side} (round {r + 1})")
+                    bar.update(task, description=f"{n} L={L} {side} (round {r + 1})")
                     cell[side].append(run_child(n, side, L, args))
                 due_in_all = sum(job_rounds(j, runs, args.rounds, args.cheap_rounds) for j in jobs)
-                progress.update(task, advance=1, total=due_in_all)
+                bar.update(task, advance=1, total=due_in_all)
             doc["rounds_done"] = r + 1  # each pass's report is written: a cut-off run keeps its passes
             remeasure_rate(doc, args.threads)
             write_report(doc, runs, out, started)

@@ -84,9 +84,10 @@ def _mechanism_options(pairs: list[str]) -> dict[str, dict]:
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from attnzoo.bench import BenchConfig, Shape, run_sweep, write
+    from attnzoo.progress import progress
 
     config = BenchConfig(
         mechanisms=args.mechanisms.split(",") if args.mechanisms else [],
@@ -99,14 +100,14 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     total = 2 * len(config.mechanisms) * len(config.lengths)  # a memory reading and a timed cell each
     columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("", total=total)
+    with progress(console, *columns) as bar:
+        task = bar.add_task("", total=total)
 
         def step(part: str) -> Callable[[dict], None]:
             def on(cell: dict) -> None:
                 note = "" if cell["status"] == "ok" else " (skipped)"
                 where = f"{cell['mechanism']} L={cell['L']} {part}"
-                progress.update(task, advance=1, description=where + note)
+                bar.update(task, advance=1, description=where + note)
             return on
 
         result = run_sweep(config, step("time"), step("memory"))
@@ -188,9 +189,10 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
     import os
 
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from attnzoo.models import Callbacks, InformerConfig, TrainConfig, train
+    from attnzoo.progress import progress
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,18 +213,18 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[note]}"))
-    with Progress(*columns, console=console, disable=not rank0) as progress:
-        epochs = progress.add_task("epochs", total=cfg.epochs, note="")
-        batches = progress.add_task("batches", total=1, note="")
+    with progress(console, *columns, disable=not rank0) as bar:
+        epochs = bar.add_task("epochs", total=cfg.epochs, note="")
+        batches = bar.add_task("batches", total=1, note="")
 
         def start(epoch, n):
-            progress.reset(batches, total=n, description=f"epoch {epoch + 1}", note="")
+            bar.reset(batches, total=n, description=f"epoch {epoch + 1}", note="")
 
         def batch(step, loss):
-            progress.update(batches, advance=1, note=f"loss {loss:.4f}")
+            bar.update(batches, advance=1, note=f"loss {loss:.4f}")
 
         def end(epoch, record):
-            progress.update(epochs, completed=record["epoch"],
+            bar.update(epochs, completed=record["epoch"],
                             note=f"val mse {record['val_mse']:.4f}" + (" *" if record["improved"] else ""))
 
         metrics = train(cfg, Callbacks(start, batch, end))
