@@ -26,7 +26,8 @@ def test_no_batch_entries_or_no_heads_give_an_empty_result(name, B, H):
 
 @pytest.mark.parametrize("name", MECHANISMS)
 def test_a_layer_takes_an_empty_batch(name):
-    layer = attnzoo.MultiheadAttention(16, 2, mechanism=name, **({"max_len": 24} if name == "linformer" else {}))
+    options = {"max_len": 24} if name == "linformer" else {}
+    layer = attnzoo.MultiheadAttention(16, 2, mechanism=name, **options)
     x = torch.randn(0, 24, 16)
     assert layer(x).shape == (0, 24, 16)
 

@@ -17,6 +17,7 @@ has the same signature.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -217,6 +218,10 @@ def attention(
         **options: the mechanism's options (see ``attnzoo.get(name).options``);
             unknown names raise ValueError.
 
+    float16 and bfloat16 inputs keep every sum that can overflow or stall (softmax
+    normalisers, kernel states, projections over the keys) in float32. Under ``torch.autocast``
+    the mechanism runs in its inputs' dtype, autocast off inside it.
+
     Returns:
         ``(B, H, Lq, Dv)``, the dtype of ``q``; empty where B or H is 0. ValueError for
         D = 0, a length of 0, or a scale that is not finite and positive.
@@ -239,7 +244,20 @@ def attention(
     if q.shape[0] == 0 or q.shape[1] == 0:  # no batch entries or no heads: torch's empty result
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)  # (B, H, Lq, Dv), with autograd
     fn = spec.reference if reference else spec.fn
-    return fn(q, k, v, opts, causal=causal, key_mask=key_mask, scale=scale, generator=generator)
+    with _outside_autocast(q.device.type):  # the inputs' dtype decides, by the precision policy
+        return fn(q, k, v, opts, causal=causal, key_mask=key_mask, scale=scale, generator=generator)
+
+
+def _outside_autocast(device_type: str):
+    """A context with autocast off on ``device_type`` where it is on: a mechanism keeps its sums in
+    float32 for half-precision inputs, and autocast would run its products in half again."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device type
+        enabled = torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+    except RuntimeError:  # a device type autocast does not know (meta)
+        enabled = False
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
 def connectivity(

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.masks import causal_offset, dense_mask
+from attnzoo.mechanisms._softmax import wide
 from attnzoo.ops import operation
 
 __all__ = ["FeatureMap", "kernel_attention", "kernel_flops", "kernel_reference", "no_scale"]
@@ -52,11 +53,24 @@ class FeatureMap:
 State = tuple[torch.Tensor, torch.Tensor]  # (S (B, H, F, Dv), z (B, H, F)) after a prefix of keys
 
 
-@operation("kernel_attention")
 def kernel_attention(q, k, v, phi: FeatureMap, *, causal: bool, key_mask, eps: float, chunk: int,
                      state: State | None = None) -> tuple[torch.Tensor, State | None]:
     """Normalised kernel attention: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) ->
-    (out (B, H, Lq, Dv), state).
+    (out (B, H, Lq, Dv), state), the output in q's dtype.
+
+    float16 and bfloat16 inputs are computed in float32 -- the features, the sums S and z over
+    up to L keys, the normaliser -- and the state stays float32: in half precision those sums
+    overflow or stop growing long before the lengths these mechanisms are for.
+    """
+    out, state = _kernel_attention(wide(q), wide(k), wide(v), phi, causal=causal, key_mask=key_mask,
+                                   eps=eps, chunk=chunk, state=state)
+    return out.to(q.dtype), state
+
+
+@operation("kernel_attention")
+def _kernel_attention(q, k, v, phi: FeatureMap, *, causal: bool, key_mask, eps: float, chunk: int,
+                      state: State | None = None) -> tuple[torch.Tensor, State | None]:
+    """:func:`kernel_attention` in the inputs' own dtype.
 
     Non-causal: S = φ(K)ᵀV and z = Σ_j φ(k_j) over the real keys (``key_mask`` (B, Lk), False =
     padding), then each query's ratio; state None. Causal: query i sees keys j <= i + Lk − Lq

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.mechanisms._few import attend_few_keys
-from attnzoo.mechanisms._softmax import softmax_scale
+from attnzoo.mechanisms._softmax import softmax_scale, wide, wide_dtype
 from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.registry import Capabilities, Mechanism, check_on_device, register
 
@@ -34,18 +34,19 @@ class LinformerOptions:
 
 def projections(opts: LinformerOptions, Lk: int, like: torch.Tensor,
                 generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """E, F of shape (proj_len, Lk), in ``like``'s dtype: given (first Lk columns, as the
-    paper's code slices) or drawn (on ``like``'s device)."""
+    """E, F of shape (proj_len, Lk), in ``like``'s dtype (float32 for half precision): given
+    (first Lk columns, as the paper's code slices) or drawn (on ``like``'s device)."""
+    dtype = wide_dtype(like.dtype)
 
     def take(name, t):
         if t.shape[1] < Lk:
             raise ValueError(f"linformer: {name} has {t.shape[1]} columns but Lk = {Lk}; it needs "
                              f">= Lk (in MultiheadAttention: max_len >= the sequence length)")
-        return check_on_device("linformer", name, t, like)[:, :Lk].to(like.dtype)
+        return check_on_device("linformer", name, t, like)[:, :Lk].to(dtype)
 
     def draw():
         E = torch.randn(opts.proj_len, Lk, generator=generator, device=like.device)
-        return (E / opts.proj_len**0.5).to(like.dtype)
+        return (E / opts.proj_len**0.5).to(dtype)
 
     E = take("proj_k", opts.proj_k) if opts.proj_k is not None else draw()
     if opts.share_kv:
@@ -54,11 +55,12 @@ def projections(opts: LinformerOptions, Lk: int, like: torch.Tensor,
 
 
 def _project(E, F_, k, v, key_mask):
-    """(E K, F V): (B, H, proj_len, D), (B, H, proj_len, Dv)."""
-    if key_mask is not None:  # padded keys and values are zeroed before projecting
-        keep = key_mask[:, None, :, None].to(k.dtype)
-        k, v = k * keep, v * keep
-    return E @ k, F_ @ v  # (B, H, proj_len, D), (B, H, proj_len, Dv)
+    """(E K, F V): (B, H, proj_len, D), (B, H, proj_len, Dv), in k's dtype; the sums over Lk keys
+    in float32 for half-precision k and v."""
+    if key_mask is not None:  # padded keys and values are excluded before projecting
+        keep = key_mask[:, None, :, None]
+        k, v = k.masked_fill(~keep, 0.0), v.masked_fill(~keep, 0.0)
+    return (E @ wide(k)).to(k.dtype), (F_ @ wide(v)).to(v.dtype)  # (B, H, proj_len, D), (.., Dv)
 
 
 def linformer_attention(q, k, v, opts=LinformerOptions(), *, causal=False, key_mask=None,
@@ -124,10 +126,11 @@ class LinformerLayerOptions:
         """
         opts = LinformerOptions(**layer._call_options(memory.device))
         E, F_ = projections(opts, memory.shape[1], memory, None)
+        E, F_ = E.to(memory.dtype), (None if F_ is E else F_.to(memory.dtype))  # the layer's dtype
         if key_mask is not None:
             keep = key_mask[:, None, :].to(memory.dtype)  # (B, 1, Lk)
-            E, F_ = E * keep, (None if F_ is E else F_ * keep)  # (B, proj_len, Lk)
-        row_maps = [E] if F_ is None or F_ is E else [E, F_]
+            E, F_ = E * keep, (None if F_ is None else F_ * keep)  # (B, proj_len, Lk)
+        row_maps = [E] if F_ is None else [E, F_]
         fused = memory is x and torch.is_grad_enabled()
         # q (B, Lq, d_model) or None; PX: E X and F X (B, proj_len, d_model), or E X alone
         q, *PX = (layer._project(x, [layer.q_proj], row_maps) if fused

@@ -80,6 +80,11 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
     Choices: rotations are shared by batch and heads; chunk 0 has no chunk before it (no
     wrap-around); with ``shared_qk`` a query's own key scores −1e5, so it is attended only
     when nothing else is, as in the paper.
+
+    Causal masks the attention (query i attends keys j <= i only), as the paper does, but
+    *which* earlier keys a query meets depends on the whole sequence: the sort by bucket, the
+    chunk boundaries and n_buckets(L) see every position, so changing a later token may
+    change an earlier output. It is not a decoder's causality (no token-by-token generation).
     """
     _check_shared(q, k, opts)
     hashed = _buckets_and_order(q, k, opts, generator)  # (shared QK hashes q alone)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.mechanisms._kernel import FeatureMap, kernel_attention, kernel_flops, kernel_reference
-from attnzoo.mechanisms._softmax import finite_or_zero, softmax_scale
+from attnzoo.mechanisms._softmax import finite_or_zero, softmax_scale, wide
 from attnzoo.registry import Capabilities, Mechanism, check_on_device, register
 
 
@@ -104,7 +104,7 @@ def performer_attention(q, k, v, opts=PerformerOptions(), *, causal=False, key_m
     ``generator`` unless given. Choromanski et al., Rethinking Attention with Performers,
     ICLR 2021.
     """
-    W = _features(q, opts, generator).to(q.dtype)
+    W = _features(q, opts, generator).to(wide(q).dtype)  # half precision runs in float32
     phi = favor_map(W, softmax_scale(q, scale), causal=causal)
     out, _ = kernel_attention(q, k, v, phi, causal=causal, key_mask=key_mask, eps=opts.eps, chunk=opts.chunk)
     return out

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from attnzoo.masks import causal_offset, dense_mask, visible_key_count
 from attnzoo.mechanisms._few import attend_few_queries
-from attnzoo.mechanisms._softmax import softmax_scale
+from attnzoo.mechanisms._softmax import softmax_scale, wide
 from attnzoo.mechanisms.full import masked_softmax
 from attnzoo.registry import Capabilities, Mechanism, register
 
@@ -97,11 +97,16 @@ def lazy_values(v, *, causal, key_mask, Lq, variant):
     """What lazy queries get: (B, H, Lq, Dv) mean of the visible real values.
 
     Official variant, causal: the cumulative *sum* of the values (the repository's
-    ``V.cumsum``), which grows with i; non-causal it is the mean, as here.
+    ``V.cumsum``), which grows with i; non-causal it is the mean, as here. The sums run in
+    float32 for half-precision values; the result is in v's dtype.
     """
+    return _lazy_sums(wide(v), causal=causal, key_mask=key_mask, Lq=Lq, variant=variant).to(v.dtype)
+
+
+def _lazy_sums(v, *, causal, key_mask, Lq, variant):
     B, H, Lk, Dv = v.shape
-    if key_mask is not None:
-        v = v * key_mask[:, None, :, None].to(v.dtype)
+    if key_mask is not None:  # (a fill, not a product: a padded value may be nan)
+        v = v.masked_fill(~key_mask[:, None, :, None], 0.0)
     if not causal:
         count = visible_key_count(1, Lk, causal=False, key_mask=key_mask, device=v.device)  # (B|1,1,1)
         return (v.sum(2, keepdim=True) / count[..., None].clamp(min=1)).expand(B, H, Lq, Dv)
@@ -189,8 +194,7 @@ def _active_queries(q, k, opts, *, causal, key_mask, generator):
     index, seen = sample_keys(Lq, Lk, U_part, causal=causal, key_mask=key_mask, generator=generator,
                               device=q.device)
     with torch.no_grad():
-        wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # rank M in >= float32
-        M = _sampled_measure(q.detach().to(wide), k.detach().to(wide), index, Lk, opts)
+        M = _sampled_measure(wide(q.detach()), wide(k.detach()), index, Lk, opts)  # rank M in >= float32
         M = M.masked_fill((seen == 0)[:, None], float("-inf"))
     return top_queries(M, u)  # (B, H, u)
 

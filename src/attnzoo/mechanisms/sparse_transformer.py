@@ -3,6 +3,9 @@
 Each pattern is two sets of keys per query i, with stride l:
 
 - strided: A1 = the previous l positions (i - l < j <= i), A2 = {j : (i - j) mod l = 0}.
+  The paper writes A1 = {max(0, i - l), ..., i}, one position more: j = i - l, which A2
+  holds anyway, so the union is the same; with ``heads="split"`` the even heads' A1 here
+  leaves it to the odd heads' A2.
 - fixed:   A1 = i's own block {j : floor(j/l) = floor(i/l)}, A2 = the last c cells of
   every block {j : j mod l >= l - c}.
 
@@ -54,10 +57,13 @@ class StridedOptions:
         _check_common("strided", self.stride, self.heads)
 
 
+DEFAULT_C = 8  # the paper's c in {8, 16, 32} (with l = 128): a constant, so a query sees c·L/l summary keys
+
+
 @dataclass(frozen=True)
 class FixedOptions:
     stride: int | None = None  # l, the block length; None = round(sqrt(L))
-    c: int | None = None  # summary cells per block; None = max(1, l // 16) (8 for l = 128)
+    c: int | None = None  # summary cells per block; None = min(DEFAULT_C, l), a constant as the paper's
     heads: str = "union"  # "union" or "split", as for strided
 
     def __post_init__(self):
@@ -73,7 +79,7 @@ def _stride(opts, N: int) -> int:
 
 
 def _summary_cells(opts: FixedOptions, l: int) -> int:
-    c = opts.c or max(1, l // 16)
+    c = opts.c or min(DEFAULT_C, l)
     if c > l:
         raise ValueError(f"fixed: c ({c}) cannot exceed the stride ({l})")
     return c

@@ -70,14 +70,14 @@ def test_the_override_answers_for_every_map_it_knows(monkeypatch, map_name, caus
 
 
 def test_the_override_declines_what_it_cannot_run(monkeypatch):
-    """Trainable random features (the portable body gives them their gradient), performer in half
-    precision, a key map it does not know, and tensors off the CPU."""
+    """Trainable random features (the portable body gives them their gradient), a key map it does not
+    know, and tensors off the CPU; half precision reaches it widened to float32, and is taken."""
     calls = override_answers(monkeypatch, "kernel_attention")
     q, k, v, _ = random_inputs(B=1, H=2, Lq=5, Lk=6, D=4)
     W = torch.randn(8, 4, dtype=q.dtype, requires_grad=True)
     attnzoo.attention(q, k, v, mechanism="performer", features=W)
     attnzoo.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mechanism="performer", features=W.detach())
-    assert calls == [False, False]
+    assert calls == [False, True]
     unknown = FeatureMap("mine", torch.exp, 4, key=lambda x, mask: torch.exp(x))
     meta = FeatureMap("elu", torch.exp, 4)
     kw = dict(causal=False, key_mask=None, eps=1e-6, chunk=4)
