@@ -13,7 +13,8 @@ then takes. Overrides are the only place private torch APIs, C kernels or proces
 state may appear.
 
 ``ATTNZOO_FAST=0`` in the environment turns every override off, read at each call;
-:func:`portable` does so for a block of code, in this thread.
+:func:`portable` does so for a block of code, in this thread; code that ``torch.compile``
+traces always takes the portable bodies.
 """
 
 from __future__ import annotations
@@ -27,15 +28,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["Operation", "fast_enabled", "needs_grad", "operation", "operations", "override", "portable"]
+__all__ = ["Operation", "compiling", "fast_enabled", "needs_grad", "operation", "operations", "override",
+           "portable"]
 
 _OPERATIONS: dict[str, Operation] = {}
 _OVERRIDES: dict[str, Callable[..., Any]] = {}
 _LOCAL = threading.local()
+compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # (torch >= 2.3; before: never)
 
 
 def fast_enabled() -> bool:
-    """Whether overrides may run here: not with ``ATTNZOO_FAST=0``, not inside :func:`portable`."""
+    """Whether overrides may run here: not with ``ATTNZOO_FAST=0``, not inside :func:`portable`, and
+    not while ``torch.compile`` traces (it compiles the portable bodies, plain torch, into one
+    graph, where an override's C kernel or private op would break it)."""
+    if compiling():
+        return False
     return os.environ.get("ATTNZOO_FAST", "1") != "0" and not getattr(_LOCAL, "portable", False)
 
 

@@ -20,6 +20,7 @@ from attnzoo.masks import causal_offset, dense_mask, visible_key_count
 from attnzoo.mechanisms._few import attend_few_queries
 from attnzoo.mechanisms._softmax import softmax_scale, wide
 from attnzoo.mechanisms.full import masked_softmax
+from attnzoo.ops import compiling
 from attnzoo.registry import Capabilities, Mechanism, register
 
 
@@ -165,6 +166,8 @@ def _pattern_scores(q: torch.Tensor, k: torch.Tensor, pattern: _Pattern) -> torc
     """The scores (H, nnz) of a pattern's pairs, q (H, C, D) against k (H, Lk, D), by
     ``torch.sparse.sampled_addmm`` on a batched CSR tensor of the pairs (rows in order, no
     pair twice: valid CSR, so its invariants are not checked again)."""
+    if compiling():  # sparse tensors do not trace: the same scores from gathered rows (C·U_part·D)
+        return torch.linalg.vecdot(q[:, pattern.rows], k[:, pattern.cols])
     H, nnz = q.shape[0], pattern.cols.numel()
     with warnings.catch_warnings():  # torch's notice that sparse CSR is in beta, once a process
         warnings.simplefilter("ignore", UserWarning)
