@@ -23,10 +23,12 @@ patterns: $(STAMP)
 	$(VENV)/bin/attnzoo patterns
 
 # The suite with the CPU backend, then the mechanisms' tests with every override off
-# (ATTNZOO_FAST=0: the portable code, as a GPU runs it).
+# (ATTNZOO_FAST=0: the portable code, as a GPU runs it); the files that run both paths themselves
+# (NaN containment, precision, compile) or test no mechanism's code, once.
 PORTABLE_TESTS = tests/test_differential.py tests/test_nn.py $(filter-out tests/test_cli.py tests/test_readme.py \
-	tests/test_layers.py tests/test_differential.py tests/test_nn.py tests/test_swap.py tests/test_hf.py,\
-	$(wildcard tests/test_*.py))
+	tests/test_layers.py tests/test_differential.py tests/test_nn.py tests/test_swap.py tests/test_hf.py \
+	tests/test_nan_containment.py tests/test_precision.py tests/test_compile.py tests/test_progress.py \
+	tests/test_edge_inputs.py,$(wildcard tests/test_*.py))
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
