@@ -29,7 +29,7 @@ sides make the same SDPA call, so a ratio of processes measures that spread alon
 their rounds adds a third process where the two sides' calls alternate (:func:`measure_paired`),
 and their ratio is read there.
 
-Writes docs/performance.md (ratios ours/peer and ours/SDPA with the targets of issue 8,
+Writes docs/performance.md (ratios ours/peer and ours/SDPA with the project's targets,
 the machine, the command) and docs/performance.json (every number). Only this script
 prints; nothing here is imported by the package.
 """
@@ -687,7 +687,7 @@ def remeasure_rate(doc: dict, threads: int) -> None:
 
 def floor_rate(doc: dict) -> tuple[float, str]:
     """(GFLOP/s, its name) that the FLOP floors are at: SDPA's rate of useful attention work, as
-    issue 8 words it (:func:`sdpa_rate`), or, in runs from before it was measured, the matmul rate."""
+    the targets word it (:func:`sdpa_rate`), or, in runs from before it was measured, the matmul rate."""
     m = doc["machine"]
     if "sdpa_gflops" in m:
         return m["sdpa_gflops"], "SDPA's rate"
@@ -945,13 +945,13 @@ STEP_WORK = 3.0  # a training step's least work over its forward's: each product
 NYSTROM_WORK = (  # {what}: a forward or a training step, with its own counts of products
     "nearly all of this {what} is work both sides do, near the machine's matmul rate: the layer's "
     "four projections ({gemms} GEMMs of (L × 512) by (512 × 512); ours by oneDNN's AVX-512 inner "
-    "product where MKL's is slower, attnzoo/_products.py), the pseudo-inverse's six "
+    "product where MKL's is slower, attnzoo.backends.cpu.projections), the pseudo-inverse's six "
     "iterations ({products} products of (256 × 256) matrices a head) and the two landmark kernels "
     "(the landmarks' queries over the keys and the queries over the landmarks, both in C near "
     "the FMA units' peak), about a third each. Ours carries P = AZ from step to step for the last "
     "two steps only (attnzoo.mechanisms.nystrom.pinv_times; ~1.3× the float32 error of the "
     "iteration); through all six steps, or through the spectrum of AAᵀ by eigh, float32 lost "
-    "30–80× its accuracy, and in float64 eigh cost what it saved (closing notes of issue 8).")
+    "30–80× its accuracy, and in float64 eigh cost what it saved.")
 BOTH_SDPA = ("both sides make the same call, torch's scaled_dot_product_attention on the same tensors "
              "(attnzoo.attention passes them to it, nothing of ours around it)")  # full attention
 SAME_CALL = (  # each side in processes of its own (runs from before)
@@ -1072,11 +1072,11 @@ def _summary(doc: dict) -> list[str]:
 
 FLOOR_WORDS = ("This machine's float32 matmul runs at about 135 GFLOP/s, and SDPA reaches about 110 "
                "GFLOP/s of useful attention work: the floor for every mechanism is its FLOP count over "
-               "that rate.")  # issue 8's definition of the floor
+               "that rate.")  # the targets' definition of the floor
 
 
 def _other_reading(doc: dict, found: list) -> list[str]:
-    """The report's account of the floor's rate: the issue's words, SDPA's rate and the matmul
+    """The report's account of the floor's rate: the targets' words, SDPA's rate and the matmul
     rate of this run, and each mark whose target the matmul rate would make another (runs
     before 2026-11-28 read "that rate" as the matmul rate). Nothing for runs without SDPA's rate."""
     m = doc["machine"]
@@ -1128,7 +1128,7 @@ def report(doc: dict) -> str:
         f"medians of all timed calls, memory is the peak extra resident memory of a call (median over "
         f"{MEMORY_CALLS} calls a process where a call takes under {MEMORY_CALL_S:g} s, else one, and over "
         f"rounds){_memory_process(doc)}. Ratios are "
-        "ours / peer: below 1 we are faster or leaner. Targets (issue 8): ≤ 0.5 at L = 4096 and 16384 "
+        "ours / peer: below 1 we are faster or leaner. Targets: ≤ 0.5 at L = 4096 and 16384 "
         "(in time, ≤ 1.0 where the peer's own is within 2× of the FLOP floor: the forward's, or a training "
         f"step's, {STEP_WORK:g}× it, at {floor_rate(doc)[1]}); ✓ meets it, ✗ misses it.{_paired_note(doc)}",
         "",
