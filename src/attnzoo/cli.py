@@ -185,35 +185,15 @@ def _slot_options(pairs: list[str]) -> dict[str, dict]:
     return {slot: given.get(slot, {}) for slot in SLOTS}
 
 
-def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
-    import os
+def _train_with_bars(cfg, console: Console, disable: bool) -> dict:
+    """Train with rich's bars (a terminal): epochs, and the batches of this epoch."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from attnzoo.models import Callbacks, train
 
-    from attnzoo.models import Callbacks, InformerConfig, TrainConfig, train
-    from attnzoo.progress import progress
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    slots = _slot_options(args.option)
-    enc = args.enc_attn or args.attn
-    dec = args.dec_attn or args.attn
-    model = InformerConfig(seq_len=args.seq_len, label_len=args.label_len, pred_len=args.pred_len,
-                           d_model=args.d_model, n_heads=args.n_heads, e_layers=args.e_layers,
-                           d_layers=args.d_layers, d_ff=args.d_ff, dropout=args.dropout,
-                           distil=not args.no_distil, enc_attn=enc, dec_self_attn=dec,
-                           cross_attn=args.cross_attn, enc_options=slots["enc"],
-                           dec_self_options=slots["dec"], cross_options=slots["cross"], seed=args.seed)
-    cfg = TrainConfig(data=args.data or TrainConfig.data, target=args.target, features=args.features,
-                      model=model, batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
-                      patience=args.patience, seed=args.seed, max_steps=args.max_steps,
-                      max_rows=args.max_rows, out=args.out, resume=args.resume,
-                      stop_after_epochs=args.stop_after_epochs)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[note]}"))
-    with progress(console, *columns, disable=not rank0) as bar:
+    with Progress(*columns, console=console, disable=disable) as bar:
         epochs = bar.add_task("epochs", total=cfg.epochs, note="")
         batches = bar.add_task("batches", total=1, note="")
 
@@ -225,9 +205,65 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
 
         def end(epoch, record):
             bar.update(epochs, completed=record["epoch"],
-                            note=f"val mse {record['val_mse']:.4f}" + (" *" if record["improved"] else ""))
+                       note=f"val mse {record['val_mse']:.4f}" + (" *" if record["improved"] else ""))
 
-        metrics = train(cfg, Callbacks(start, batch, end))
+        return train(cfg, Callbacks(start, batch, end))
+
+
+def _train_with_lines(cfg, console: Console, every_s: float = 300.0) -> dict:
+    """Train printing plain lines (a log file): one an epoch, and one at most every ``every_s``
+    seconds within a long epoch."""
+    import time
+
+    from attnzoo.models import Callbacks, train
+
+    state = {"n": 0, "printed": time.monotonic()}
+
+    def start(epoch, n):
+        state.update(n=n, printed=time.monotonic())
+
+    def batch(step, loss):
+        if time.monotonic() - state["printed"] >= every_s:
+            state["printed"] = time.monotonic()
+            console.print(f"  batch {step + 1}/{state['n']}  loss {loss:.4f}", highlight=False)
+
+    def end(epoch, r):
+        best = "  (best)" if r["improved"] else ""
+        console.print(f"epoch {r['epoch']}/{cfg.epochs}  train loss {r['train_loss']:.4f}  val mse "
+                      f"{r['val_mse']:.4f}  lr {r['lr']:.3g}  {r['seconds']:.0f} s{best}", highlight=False)
+
+    return train(cfg, Callbacks(start, batch, end))
+
+
+def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
+    import os
+
+    import torch
+
+    from attnzoo.models import InformerConfig, TrainConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    slots = _slot_options(args.option)
+    enc = args.enc_attn or args.attn
+    dec = args.dec_attn or args.attn
+    model = InformerConfig(seq_len=args.seq_len, label_len=args.label_len, pred_len=args.pred_len,
+                           d_model=args.d_model, n_heads=args.n_heads, e_layers=args.e_layers,
+                           d_layers=args.d_layers, d_ff=args.d_ff, dropout=args.dropout,
+                           distil=not args.no_distil, enc_attn=enc, dec_self_attn=dec,
+                           cross_attn=args.cross_attn, enc_options=slots["enc"],
+                           dec_self_options=slots["dec"], cross_options=slots["cross"], seed=args.seed,
+                           revin=args.revin)
+    cfg = TrainConfig(data=args.data or TrainConfig.data, target=args.target, features=args.features,
+                      model=model, batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
+                      patience=args.patience, seed=args.seed, max_steps=args.max_steps,
+                      max_rows=args.max_rows, out=args.out, resume=args.resume,
+                      stop_after_epochs=args.stop_after_epochs)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if console.is_terminal or not rank0:
+        metrics = _train_with_bars(cfg, console, disable=not rank0)
+    else:
+        metrics = _train_with_lines(cfg, console)
     if rank0 and "test" in metrics:
         console.print(f"[bold]test[/bold] MSE {metrics['test']['mse']:.4f}  MAE {metrics['test']['mae']:.4f} "
                       f"(scaled space; best val MSE {metrics['best_val_mse']:.4f}, "
@@ -279,37 +315,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_fc = sub.add_parser("forecast", help="train and test the Informer-style forecaster (ETTh1 default)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p_fc.add_argument("--data", default="", help="CSV with a date column (default: the shipped ETTh1)")
-    p_fc.add_argument("--target", default="OT")
-    p_fc.add_argument("--features", default="S", choices=["M", "S", "MS"])
-    p_fc.add_argument("--seq-len", type=int, default=96)
-    p_fc.add_argument("--label-len", type=int, default=48)
-    p_fc.add_argument("--pred-len", type=int, default=24)
-    p_fc.add_argument("--attn", default="prob_sparse", help="encoder and decoder self-attention")
-    p_fc.add_argument("--enc-attn", default="", help="encoder self-attention (overrides --attn)")
-    p_fc.add_argument("--dec-attn", default="", help="decoder causal self-attention (overrides --attn)")
-    p_fc.add_argument("--cross-attn", default="full", help="decoder cross-attention")
-    p_fc.add_argument("--option", action="append", default=[], metavar="SLOT.OPT=VALUE",
-                      help="a mechanism option for slot enc, dec or cross, e.g. enc.factor=3")
-    p_fc.add_argument("--d-model", type=int, default=512)
-    p_fc.add_argument("--n-heads", type=int, default=8)
-    p_fc.add_argument("--e-layers", type=int, default=2)
-    p_fc.add_argument("--d-layers", type=int, default=1)
-    p_fc.add_argument("--d-ff", type=int, default=2048)
-    p_fc.add_argument("--dropout", type=float, default=0.05)
-    p_fc.add_argument("--no-distil", action="store_true", help="no distilling layers in the encoder")
-    p_fc.add_argument("--batch-size", type=int, default=32, help="per process")
-    p_fc.add_argument("--lr", type=float, default=1e-4)
-    p_fc.add_argument("--epochs", type=int, default=6)
-    p_fc.add_argument("--patience", type=int, default=3)
-    p_fc.add_argument("--seed", type=int, default=0)
-    p_fc.add_argument("--max-steps", type=int, default=None, help="training batches per epoch")
-    p_fc.add_argument("--max-rows", type=int, default=None, help="use only the first rows")
-    p_fc.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p_fc.add_argument("--out", default="runs/forecast")
-    p_fc.add_argument("--resume", action="store_true", help="continue from out/checkpoint.pt")
-    p_fc.add_argument("--stop-after-epochs", type=int, default=None,
-                      help="stop after this many epochs, as if interrupted (then --resume)")
+    add = p_fc.add_argument
+    add("--data", default="", help="CSV with a date column (empty: the shipped ETTh1)")
+    add("--target", default="OT", help="the column to forecast")
+    add("--features", default="S", choices=["M", "S", "MS"],
+        help="S: the target in and out; M: every column in and out; MS: every column in, the target out")
+    add("--seq-len", type=int, default=96, help="encoder input: known steps the model sees")
+    add("--label-len", type=int, default=48, help="decoder start token: known steps fed to the decoder")
+    add("--pred-len", type=int, default=24, help="horizon: steps to forecast")
+    add("--attn", default="prob_sparse", help="encoder and decoder self-attention mechanism")
+    add("--enc-attn", default="", help="encoder self-attention (overrides --attn)")
+    add("--dec-attn", default="", help="decoder causal self-attention (overrides --attn)")
+    add("--cross-attn", default="full", help="decoder cross-attention to the encoder output")
+    add("--option", action="append", default=[], metavar="SLOT.OPT=VALUE",
+        help="a mechanism option for slot enc, dec or cross, e.g. enc.factor=3 (repeatable)")
+    add("--revin", action="store_true",
+        help="reversible instance normalisation: each window normalised by its own mean and deviation")
+    add("--d-model", type=int, default=512, help="model width")
+    add("--n-heads", type=int, default=8, help="attention heads")
+    add("--e-layers", type=int, default=2, help="encoder layers")
+    add("--d-layers", type=int, default=1, help="decoder layers")
+    add("--d-ff", type=int, default=2048, help="feed-forward width")
+    add("--dropout", type=float, default=0.05, help="dropout probability")
+    add("--no-distil", action="store_true", help="no distilling layers (length halving) in the encoder")
+    add("--batch-size", type=int, default=32, help="training windows per batch, per process")
+    add("--lr", type=float, default=1e-4, help="Adam's learning rate, halved after every epoch")
+    add("--epochs", type=int, default=6, help="most epochs to train")
+    add("--patience", type=int, default=3, help="stop after this many epochs without a better validation MSE")
+    add("--seed", type=int, default=0, help="seeds the weights, the data order and the mechanisms' draws")
+    add("--max-steps", type=int, default=None, help="training batches per epoch (default: all)")
+    add("--max-rows", type=int, default=None, help="use only the first rows of the CSV (default: all)")
+    add("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add("--out", default="runs/forecast", help="folder for checkpoints, metrics.json and forecast.png")
+    add("--resume", action="store_true", help="continue an interrupted run from OUT/checkpoint.pt")
+    add("--stop-after-epochs", type=int, default=None,
+        help="stop after this many epochs, as if interrupted (then --resume)")
     p_fc.set_defaults(run=cmd_forecast)
     return parser
 

@@ -8,7 +8,8 @@ placeholders, predicting all ``pred_len`` steps in one forward pass.
 
 Every attention slot takes a mechanism name and options: ``enc_attn``,
 ``dec_self_attn`` (always causal) and ``cross_attn``. Informer's own choice is
-prob_sparse, prob_sparse and full.
+prob_sparse, prob_sparse and full. ``revin=True`` wraps the model in reversible instance
+normalisation (:class:`RevIN`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class InformerConfig:
     dec_self_options: dict = field(default_factory=dict)
     cross_options: dict = field(default_factory=dict)
     seed: int = 0  # seeds the attention layers' generators (sampling, rotations, features)
+    revin: bool = False  # reversible instance normalisation of each window (Kim et al., ICLR 2022)
+    target_cols: list = field(default_factory=list)  # input channel of each output (empty: the last c_out)
 
 
 class DataEmbedding(nn.Module):
@@ -66,6 +69,49 @@ class DataEmbedding(nn.Module):
         """x (B, L, c_in), marks (B, L, 4) -> (B, L, d_model)."""
         value = self.value(x.transpose(1, 2)).transpose(1, 2)  # (B, L, d_model)
         return self.dropout(value + self.pe[: x.shape[1]] + self.time(marks))
+
+
+class RevIN(nn.Module):
+    """Reversible instance normalisation (Kim et al., ICLR 2022).
+
+    Each input window is normalised by its own mean and deviation over time, per channel, then
+    mapped by a learnt affine (γ, β): x̂ = γ (x - μ) / σ + β. The forecast goes back the other
+    way with the same statistics, so the model sees every window at one level and scale while
+    its output keeps the window's own. ``target_cols[j]`` is the input channel of output j.
+    Shapes: x_enc (B, L, C), x_dec (B, label_len + pred_len, C), y (B, pred_len, c_out).
+    """
+
+    def __init__(self, n_channels: int, target_cols: list[int], eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n_channels))
+        self.bias = nn.Parameter(torch.zeros(n_channels))
+        self.register_buffer("targets", torch.tensor(target_cols, dtype=torch.long), persistent=False)
+
+    def normalise(self, x_enc, x_dec, label_len: int):
+        """-> (x_enc, x_dec, (μ, σ)) with the decoder's known steps normalised by the encoder
+        window's statistics and its placeholders left at zero."""
+        mean = x_enc.mean(1, keepdim=True).detach()  # (B, 1, C)
+        std = torch.sqrt(x_enc.var(1, keepdim=True, correction=0) + self.eps).detach()
+        x_enc = (x_enc - mean) / std * self.weight + self.bias
+        known = (x_dec[:, :label_len] - mean) / std * self.weight + self.bias
+        x_dec = torch.cat([known, torch.zeros_like(x_dec[:, label_len:])], dim=1)
+        return x_enc, x_dec, (mean, std)
+
+    def restore(self, y, stats):
+        """The forecast y (B, pred_len, c_out) back in the window's level and scale."""
+        mean, std = (s[..., self.targets] for s in stats)
+        weight, bias = self.weight[self.targets], self.bias[self.targets]
+        return (y - bias) / (weight + self.eps**2) * std + mean
+
+
+def _revin(cfg: InformerConfig) -> RevIN:
+    targets = cfg.target_cols or list(range(cfg.enc_in - cfg.c_out, cfg.enc_in))
+    if cfg.dec_in != cfg.enc_in or len(targets) != cfg.c_out or not all(0 <= t < cfg.enc_in for t in targets):
+        raise ValueError(f"revin needs dec_in == enc_in and target_cols naming one of the {cfg.enc_in} "
+                         f"input channels for each of the {cfg.c_out} outputs; got dec_in={cfg.dec_in}, "
+                         f"target_cols={targets}")
+    return RevIN(cfg.enc_in, targets)
 
 
 class DistilLayer(nn.Module):
@@ -144,6 +190,7 @@ class Informer(nn.Module):
                                      for i in range(cfg.d_layers))
         self.dec_norm = nn.LayerNorm(cfg.d_model)
         self.projection = nn.Linear(cfg.d_model, cfg.c_out)
+        self.revin = _revin(cfg) if cfg.revin else None
 
     def encode(self, x_enc, mark_enc):
         x = self.enc_embedding(x_enc, mark_enc)  # (B, seq_len, d_model)
@@ -154,9 +201,11 @@ class Informer(nn.Module):
         return self.enc_norm(x)
 
     def forward(self, x_enc, mark_enc, x_dec, mark_dec):
+        if self.revin is not None:
+            x_enc, x_dec, stats = self.revin.normalise(x_enc, x_dec, self.cfg.label_len)
         memory = self.encode(x_enc, mark_enc)
         x = self.dec_embedding(x_dec, mark_dec)  # (B, label_len + pred_len, d_model)
         for layer in self.decoder:
             x = layer(x, memory)
-        out = self.projection(self.dec_norm(x))  # (B, label_len + pred_len, c_out)
-        return out[:, -self.cfg.pred_len:]
+        out = self.projection(self.dec_norm(x))[:, -self.cfg.pred_len:]  # (B, pred_len, c_out)
+        return out if self.revin is None else self.revin.restore(out, stats)

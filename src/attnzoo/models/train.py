@@ -22,6 +22,8 @@ import json
 import math
 import os
 import random
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +87,8 @@ def _device(rank: int) -> torch.device:
 def _model_config(cfg: TrainConfig, data) -> InformerConfig:
     model = dataclasses.replace(cfg.model, enc_in=len(data.columns_in), dec_in=len(data.columns_in),
                                 c_out=len(data.columns_out), seq_len=data.train.seq_len,
-                                label_len=data.train.label_len, pred_len=data.train.pred_len)
+                                label_len=data.train.label_len, pred_len=data.train.pred_len,
+                                target_cols=list(data.train.target_cols))
     if model.enc_attn == "linformer" and "max_len" not in model.enc_options:
         model.enc_options = {**model.enc_options, "max_len": model.seq_len}
     if model.cross_attn == "linformer" and "max_len" not in model.cross_options:
@@ -144,6 +147,21 @@ def _check_same_run(saved: dict, now: dict) -> None:
                          f"options of the interrupted run")
 
 
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory so far, in MiB (ru_maxrss: KiB on Linux, bytes on
+    macOS); None where the OS does not tell (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
 def _bare(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
@@ -192,7 +210,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         sampler.set_epoch(epoch)
         model.train()
         callbacks.on_epoch_start(epoch, n_batches)
-        total = 0.0
+        total, started = 0.0, time.perf_counter()
         for step, batch in enumerate(train_loader):
             if step >= n_batches:
                 break
@@ -210,7 +228,8 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         state["bad_epochs"] = 0 if improved else state["bad_epochs"] + 1
         state["epoch"] = epoch + 1
         record = {"epoch": epoch + 1, "train_loss": total / max(n_batches, 1), "val_mse": val,
-                  "lr": optimiser.param_groups[0]["lr"], "improved": improved}
+                  "lr": optimiser.param_groups[0]["lr"], "improved": improved,
+                  "seconds": time.perf_counter() - started}
         state["history"].append(record)
         rng = [None] * world
         if world > 1:
@@ -232,7 +251,9 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
     metrics = {"test": evaluate(model, test_loader, device), "best_val_mse": state["best_val"],
                "epochs_run": state["epoch"], "history": state["history"],
                "model": dataclasses.asdict(model_cfg), "data": cfg.data, "target": cfg.target,
-               "features": cfg.features, "world_size": world, "seed": cfg.seed}
+               "features": cfg.features, "world_size": world, "seed": cfg.seed,
+               "seconds_per_epoch": _mean([r["seconds"] for r in state["history"] if "seconds" in r]),
+               "peak_rss_mib": peak_rss_mib()}
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         plot_forecasts(_bare(model), data, device, out / "forecast.png", cfg.plot_windows)
