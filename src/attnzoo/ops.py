@@ -13,8 +13,11 @@ then takes. Overrides are the only place private torch APIs, C kernels or proces
 state may appear.
 
 ``ATTNZOO_FAST=0`` in the environment turns every override off, read at each call;
-:func:`portable` does so for a block of code, in this thread; code that ``torch.compile``
-traces always takes the portable bodies.
+:func:`portable` does so for a block of code, in this thread. Code that ``torch.compile`` (or
+``torch.export``) traces takes only the overrides registered as *traceable*
+(``@override(name, traceable=True)``): plain torch around custom operators
+(``torch.library``), which the graph holds as single nodes; every other operation takes its
+portable body there.
 """
 
 from __future__ import annotations
@@ -33,17 +36,22 @@ __all__ = ["Operation", "compiling", "fast_enabled", "needs_grad", "operation", 
 
 _OPERATIONS: dict[str, Operation] = {}
 _OVERRIDES: dict[str, Callable[..., Any]] = {}
+_TRACEABLE: dict[str, Callable[..., Any]] = {}  # the overrides code being traced may take
 _LOCAL = threading.local()
 compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # (torch >= 2.3; before: never)
 
 
 def fast_enabled() -> bool:
-    """Whether overrides may run here: not with ``ATTNZOO_FAST=0``, not inside :func:`portable`, and
-    not while ``torch.compile`` traces (it compiles the portable bodies, plain torch, into one
-    graph, where an override's C kernel or private op would break it)."""
-    if compiling():
-        return False
+    """Whether overrides may run here: not with ``ATTNZOO_FAST=0`` and not inside :func:`portable`.
+    While ``torch.compile`` traces, only the traceable ones (an override's C kernel called through
+    ctypes, or a private op, would break its graph)."""
     return os.environ.get("ATTNZOO_FAST", "1") != "0" and not getattr(_LOCAL, "portable", False)
+
+
+def _override_of(name: str) -> Callable[..., Any] | None:
+    if not fast_enabled():
+        return None
+    return _TRACEABLE.get(name) if compiling() else _OVERRIDES.get(name)
 
 
 @contextmanager
@@ -65,7 +73,7 @@ class Operation:
         functools.update_wrapper(self, body)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fast = _OVERRIDES.get(self.name) if fast_enabled() else None
+        fast = _override_of(self.name)
         if fast is not None:
             out = fast(*args, **kwargs)
             if out is not NotImplemented:
@@ -88,15 +96,17 @@ def operation(name: str) -> Callable[[Callable[..., Any]], Operation]:
     return declare
 
 
-def override(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def override(name: str, *, traceable: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a backend's override of operation ``name`` (it returns NotImplemented where it
-    does not apply). The operation need not be declared yet: backends load after the mechanisms,
-    and :func:`operations` tells a misspelt name (a test checks every override names one)."""
+    does not apply); ``traceable=True``: the one code being traced by ``torch.compile`` takes.
+    The operation need not be declared yet: backends load after the mechanisms, and
+    :func:`operations` tells a misspelt name (a test checks every override names one)."""
+    table = _TRACEABLE if traceable else _OVERRIDES
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in _OVERRIDES:
+        if name in table:
             raise ValueError(f"operation {name!r} already has an override")
-        _OVERRIDES[name] = fn
+        table[name] = fn
         return fn
 
     return register
@@ -106,7 +116,7 @@ def operations() -> dict[str, bool]:
     """Every declared operation and whether a backend overrides it, and any override whose
     name no operation declares (mapped to None: a defect)."""
     found: dict[str, Any] = {name: name in _OVERRIDES for name in _OPERATIONS}
-    found.update({name: None for name in _OVERRIDES if name not in _OPERATIONS})
+    found.update({name: None for name in [*_OVERRIDES, *_TRACEABLE] if name not in _OPERATIONS})
     return found
 
 

@@ -78,7 +78,9 @@ class Mechanism:
     flops: Callable[..., float] | None = None
 
     def option_names(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self.options)]
+        # the dataclass's own table, not dataclasses.fields (which torch.compile cannot trace);
+        # register() checks the two agree (no ClassVar or InitVar pseudo-fields)
+        return list(self.options.__dataclass_fields__)
 
 
 _REGISTRY: dict[str, Mechanism] = {}
@@ -90,6 +92,8 @@ def register(spec: Mechanism) -> Mechanism:
         raise ValueError(f"mechanism {spec.name!r} is already registered")
     if not dataclasses.is_dataclass(spec.options):
         raise TypeError(f"{spec.name}: options must be a dataclass type")
+    if spec.option_names() != [f.name for f in dataclasses.fields(spec.options)]:
+        raise TypeError(f"{spec.name}: options may not declare ClassVar or InitVar fields")
     reserved = {"q", "k", "v", "causal", "key_mask", "scale", "generator", "mechanism"}
     clash = reserved.intersection(spec.option_names())
     if clash:

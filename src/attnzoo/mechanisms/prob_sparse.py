@@ -158,7 +158,8 @@ def _sample_pattern(index: torch.Tensor, Lk: int) -> _Pattern:
     pairs, counts = torch.unique_consecutive(pairs, return_counts=True)
     rows = pairs // Lk
     crow = torch.zeros(C + 1, dtype=torch.long, device=index.device)
-    torch.cumsum(torch.bincount(rows, minlength=C), 0, out=crow[1:])
+    per_row = torch.zeros(C, dtype=torch.long, device=index.device).index_add_(0, rows, torch.ones_like(rows))
+    torch.cumsum(per_row, 0, out=crow[1:])  # (a count of known size: bincount's is data-dependent)
     return _Pattern(rows, pairs % Lk, counts, crow)
 
 

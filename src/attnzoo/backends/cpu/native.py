@@ -324,18 +324,23 @@ class _CausalLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_S, g_z):
         q, k, v, S, z, key_mask, out = ctx.saved_tensors
-        lib, (B, H, L, D), Dv = ctx.lib, q.shape, v.shape[-1]
-        q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(g_out)
-        S, z = S.contiguous(), z.contiguous()
-        dq, dk, dv = fresh_like(q, k, v)
-        dS, dz = g_S.contiguous().clone(), g_z.contiguous().clone()  # in: the state after's; out: before's
-        ok, floor = _key_ok(key_mask, B, H, L), _floor(q.dtype)
-        _split_heads(lib, B * H, lambda a, b: _checked(lib.causal_linear_grad(
-            _at(q, a), _at(k, a), _at(v, a), _at(ok, a, L), _at(g, a), _at(out, a, L * Dv), q.stride(1),
-            k.stride(1), v.stride(1), g.stride(1), _at(S, a, D * Dv), _at(z, a, D), _at(dq, a, L * D),
-            _at(dk, a, L * D), _at(dv, a, L * Dv), _at(dS, a, D * Dv), _at(dz, a, D), b - a, L, ctx.eps,
-            floor)))
-        return dq, dk, dv, dS, dz, None, None, None
+        grads = _causal_linear_backward(ctx.lib, q, k, v, S, z, key_mask, ctx.eps, out, g_out, g_S, g_z)
+        return *grads, None, None, None
+
+
+def _causal_linear_backward(lib, q, k, v, S, z, key_mask, eps, out, g_out, g_S, g_z):
+    """(dq, dk, dv, dS, dz) of :func:`causal_linear` (``S``, ``z``: the state before)."""
+    (B, H, L, D), Dv = q.shape, v.shape[-1]
+    q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(g_out)
+    S, z = S.contiguous(), z.contiguous()
+    dq, dk, dv = fresh_like(q, k, v)
+    dS, dz = g_S.contiguous().clone(), g_z.contiguous().clone()  # in: the state after's; out: before's
+    ok, floor = _key_ok(key_mask, B, H, L), _floor(q.dtype)
+    _split_heads(lib, B * H, lambda a, b: _checked(lib.causal_linear_grad(
+        _at(q, a), _at(k, a), _at(v, a), _at(ok, a, L), _at(g, a), _at(out, a, L * Dv), q.stride(1),
+        k.stride(1), v.stride(1), g.stride(1), _at(S, a, D * Dv), _at(z, a, D), _at(dq, a, L * D),
+        _at(dk, a, L * D), _at(dv, a, L * Dv), _at(dS, a, D * Dv), _at(dz, a, D), b - a, L, eps, floor)))
+    return dq, dk, dv, dS, dz
 
 
 def linear(q, k, v, key_mask, eps):
@@ -380,22 +385,27 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, key_mask, S, z = ctx.saved_tensors
-        lib, (B, H, Lq, D), Lk, Dv = ctx.lib, q.shape, k.shape[2], v.shape[-1]
-        q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
-        dq, dk, dv = fresh_like(q, k, v)
-        dS, dz, ok = torch.empty_like(S), torch.empty_like(z), _key_ok(key_mask, B, H, Lk)
-        floor = _floor(q.dtype)
+        return *_linear_backward(ctx.lib, q, k, v, key_mask, ctx.eps, S, z, grad), None, None, None
 
-        def run(a, b):  # heads a..b−1: dq, dS, dz, then dk, dv
-            _checked(lib.linear_queries_grad(
-                _at(q, a), _at(g, a), q.stride(1), g.stride(1), _at(S, a, D * Dv), _at(z, a, D),
-                _at(dq, a, Lq * D), _at(dS, a, D * Dv), _at(dz, a, D), b - a, Lq, ctx.eps, floor))
-            _checked(lib.linear_keys_grad(
-                _at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1), _at(dS, a, D * Dv),
-                _at(dz, a, D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a, Lk, floor))
 
-        _split_heads(lib, B * H, run)
-        return dq, dk, dv, None, None, None
+def _linear_backward(lib, q, k, v, key_mask, eps, S, z, grad):
+    """(dq, dk, dv) of :func:`linear` from the forward's S and z."""
+    (B, H, Lq, D), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
+    dq, dk, dv = fresh_like(q, k, v)
+    dS, dz, ok = torch.empty_like(S), torch.empty_like(z), _key_ok(key_mask, B, H, Lk)
+    floor = _floor(q.dtype)
+
+    def run(a, b):  # heads a..b−1: dq, dS, dz, then dk, dv
+        _checked(lib.linear_queries_grad(
+            _at(q, a), _at(g, a), q.stride(1), g.stride(1), _at(S, a, D * Dv), _at(z, a, D),
+            _at(dq, a, Lq * D), _at(dS, a, D * Dv), _at(dz, a, D), b - a, Lq, eps, floor))
+        _checked(lib.linear_keys_grad(
+            _at(k, a), _at(v, a), _at(ok, a, Lk), k.stride(1), v.stride(1), _at(dS, a, D * Dv),
+            _at(dz, a, D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a, Lk, floor))
+
+    _split_heads(lib, B * H, run)
+    return dq, dk, dv
 
 
 def efficient(q, k, v, key_mask):
@@ -446,21 +456,26 @@ class _EfficientNative(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, key_mask, G, z, c, shift = ctx.saved_tensors
-        lib, (B, H, Lq, D), Lk, Dv = ctx.lib, q.shape, k.shape[2], v.shape[-1]
-        q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
-        dq, dk, dv = fresh_like(q, k, v)
-        dG, ok = torch.empty_like(G), _key_ok(key_mask, B, H, Lk)
-        tiny, floor = torch.finfo(q.dtype).tiny, _floor(q.dtype)
+        return *_efficient_backward(ctx.lib, q, k, v, key_mask, G, z, c, shift, grad), None, None
 
-        def run(a, b):  # heads a..b−1, each its dq and dG, then its dk and dv
-            _checked(lib.efficient_backward(
-                _at(q, a), _at(k, a), _at(v, a), _at(ok, a, Lk), _at(g, a), q.stride(1), k.stride(1),
-                v.stride(1), g.stride(1), _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), _at(shift, a, Lq),
-                _at(dG, a, D * Dv), _at(dq, a, Lq * D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a,
-                Lq, Lk, tiny, floor))
 
-        _split_heads(lib, B * H, run)
-        return dq, dk, dv, None, None
+def _efficient_backward(lib, q, k, v, key_mask, G, z, c, shift, grad):
+    """(dq, dk, dv) of :func:`efficient` from the forward's G, z, c and row shifts."""
+    (B, H, Lq, D), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    q, k, v, g = _heads(q), _heads(k), _heads(v), _heads(grad)
+    dq, dk, dv = fresh_like(q, k, v)
+    dG, ok = torch.empty_like(G), _key_ok(key_mask, B, H, Lk)
+    tiny, floor = torch.finfo(q.dtype).tiny, _floor(q.dtype)
+
+    def run(a, b):  # heads a..b−1, each its dq and dG, then its dk and dv
+        _checked(lib.efficient_backward(
+            _at(q, a), _at(k, a), _at(v, a), _at(ok, a, Lk), _at(g, a), q.stride(1), k.stride(1),
+            v.stride(1), g.stride(1), _at(G, a, D * Dv), _at(z, a, D), _at(c, a, D), _at(shift, a, Lq),
+            _at(dG, a, D * Dv), _at(dq, a, Lq * D), _at(dk, a, Lk * D), _at(dv, a, Lk * Dv), b - a,
+            Lq, Lk, tiny, floor))
+
+    _split_heads(lib, B * H, run)
+    return dq, dk, dv
 
 
 def few_keys(q, k, v, scale):
