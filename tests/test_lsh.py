@@ -19,7 +19,7 @@ from mechanism_checks import (
 )
 
 lsh_cases = cases(cross=False, D=(2, 6), bucket_size=st.integers(1, 9), n_hashes=st.integers(1, 4),
-                  n_buckets=st.none() | st.sampled_from([1, 2, 4, 6]),
+                  n_buckets=st.none() | st.sampled_from([1, 2, 4, 6, (2, 4), (4, 1, 2)]),
                   attend_across_buckets=st.booleans(), count_duplicates=st.booleans())
 
 
@@ -83,8 +83,9 @@ def test_lsh_refuses_what_it_cannot_do():
     q, k, v, _ = random_inputs(Lq=8, Lk=8)
     with pytest.raises(ValueError, match="pass k=q"):
         attnzoo.attention(q, k, v, mechanism="lsh", shared_qk=True)
-    with pytest.raises(ValueError, match="even"):
-        attnzoo.attention(q, k, v, mechanism="lsh", n_buckets=3)
+    for bad in (3, (4, 3), (), [4, 4]):
+        with pytest.raises(ValueError, match="even"):
+            attnzoo.attention(q, k, v, mechanism="lsh", n_buckets=bad)
     with pytest.raises(ValueError, match="self-attention only"):
         attnzoo.attention(q, k[:, :, :5], v[:, :, :5], mechanism="lsh")
 
@@ -145,3 +146,35 @@ def test_float32_keeps_a_query_that_sees_only_itself_exact():
                                        causal=True, shared_qk=True, bucket_size=4, n_hashes=4,
                                        generator=seeded(0))
     torch.testing.assert_close(run(torch.float32).double(), run(torch.float64), atol=1e-5, rtol=1e-5)
+
+
+def test_factorized_hash_is_its_definition():
+    """n_buckets (b1, b2): bucket h1 + b1·h2, each the argmax of [xR; -xR] over its own columns of
+    the round's rotation, as trax's factorized hashing; (b, 1) is the plain hash of b buckets."""
+    from attnzoo.mechanisms.lsh import LSHOptions, _buckets_and_order
+
+    q, k, _, _ = random_inputs(B=2, H=3, Lq=50, Lk=50, D=8)
+    opts = LSHOptions(n_buckets=(6, 4), n_hashes=2)
+    q_buckets, k_buckets, q_order, _ = _buckets_and_order(q, k, opts, seeded(5))
+    R = torch.randn(2, 8, 5, generator=seeded(5), device=DEVICE).double()  # the same draw: 3 + 2 columns
+    h = [torch.cat([x := torch.einsum("bhld,rdc->bhrlc", q, part), -x], -1).argmax(-1)
+         for part in (R[..., :3], R[..., 3:])]
+    torch.testing.assert_close(q_buckets, h[0] + 6 * h[1], rtol=0, atol=0)
+    assert q_buckets.max() < 24 and (q_buckets // 6).max() > 0
+    assert torch.equal(q_order, q_buckets.sort(dim=-1, stable=True)[1])
+
+    plain = _buckets_and_order(q, k, LSHOptions(n_buckets=8), seeded(1))
+    factor_one = _buckets_and_order(q, k, LSHOptions(n_buckets=(8, 1)), seeded(1))
+    assert all(torch.equal(a, b) for a, b in zip(plain, factor_one, strict=True))
+
+
+def test_default_buckets_factorize_past_the_threshold():
+    from attnzoo.mechanisms.lsh import FACTORIZE_ABOVE, LSHOptions, bucket_factors, n_buckets_for
+
+    opts = LSHOptions()
+    small = FACTORIZE_ABOVE * opts.bucket_size
+    assert bucket_factors(small, opts) == (FACTORIZE_ABOVE,)
+    for L in (2 * small, 2**20):
+        b1, b2 = bucket_factors(L, opts)
+        assert b1 % 2 == 0 and b2 % 2 == 0 and abs(b1 - b2) <= 2
+        assert abs(n_buckets_for(L, opts) - L / opts.bucket_size) <= 0.1 * L / opts.bucket_size

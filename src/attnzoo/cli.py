@@ -55,6 +55,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def _parse_value(text: str):
+    """'8' -> 8, '0.5' -> 0.5, 'true' -> True, 'none' -> None, '32,32' -> (32, 32), else the text."""
+    if "," in text:
+        parts = [_parse_value(part) for part in text.split(",")]
+        if all(isinstance(part, int) and not isinstance(part, bool) for part in parts):
+            return tuple(parts)
     for cast in (int, float):
         try:
             return cast(text)

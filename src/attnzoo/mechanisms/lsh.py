@@ -1,7 +1,9 @@
 """Reformer's LSH attention (Kitaev et al., ICLR 2020).
 
 Angular LSH: for each of ``n_hashes`` rounds a random rotation R (D × b/2) gives
-h(x) = argmax([xR; −xR]). Queries and keys are sorted by (bucket, position) and cut into
+h(x) = argmax([xR; −xR]). Factorized (the paper's code, trax, for many buckets): b = b₁·b₂
+buckets from two rotations of b₁/2 and b₂/2 columns, h(x) = h₁(x) + b₁·h₂(x), at
+O(D·(b₁ + b₂)) a position instead of O(D·b). Queries and keys are sorted by (bucket, position) and cut into
 chunks of ``bucket_size``; each chunk attends to itself and the chunk before (look one back).
 Each round gives a partial softmax; the rounds merge by their log-sum-exps. Each key counts
 once (the paper's N_ij correction): a round leaves out the keys its queries met in an
@@ -29,13 +31,16 @@ from attnzoo.registry import Capabilities, Mechanism, register
 
 SELF_PENALTY = 1e5  # the paper's m(i, i): a position attends to itself only if it has no other key
 HASH_BLOCK = 2**22  # rotated values hashed at a time: b grows with L, so the hash goes by blocks of positions
+FACTORIZE_ABOVE = 256  # default bucket counts above this hash factorized (b₁·b₂): docs/scale.md
 
 
 @dataclass(frozen=True)
 class LSHOptions:
     bucket_size: int = 64  # m: chunk length after sorting
     n_hashes: int = 4  # hash rounds
-    n_buckets: int | None = None  # b (1 or even); None = about L / bucket_size, as in the paper
+    # b (1 or even), or factors (b₁, b₂, ...) each 1 or even hashed apart into b₁·b₂·... buckets;
+    # None = about L / bucket_size, as in the paper, factorized in two above FACTORIZE_ABOVE
+    n_buckets: int | tuple[int, ...] | None = None
     attend_across_buckets: bool = False  # True: keys of other buckets inside a chunk are kept
     shared_qk: bool = False  # keys = q/‖q‖ (pass k=q), and no attending to itself if avoidable
     count_duplicates: bool = True  # the paper's N_ij: a key met in several rounds counts once;
@@ -45,10 +50,11 @@ class LSHOptions:
         if self.bucket_size < 1 or self.n_hashes < 1:
             raise ValueError(f"lsh: bucket_size and n_hashes must be >= 1, got {self.bucket_size}, "
                              f"{self.n_hashes}")
-        if self.n_buckets is not None and (self.n_buckets < 1 or
-                                           (self.n_buckets > 1 and self.n_buckets % 2)):
-            raise ValueError(f"lsh: n_buckets must be 1 or even (h = argmax([xR; -xR])), "
-                             f"got {self.n_buckets}")
+        factors = (self.n_buckets,) if isinstance(self.n_buckets, int) else self.n_buckets
+        if factors is not None and (not isinstance(factors, tuple) or not factors or any(
+                not isinstance(b, int) or b < 1 or (b > 1 and b % 2) for b in factors)):
+            raise ValueError(f"lsh: n_buckets must be 1 or even (h = argmax([xR; -xR])), or a tuple "
+                             f"of such factors, got {self.n_buckets!r}")
 
 
 @dataclass(frozen=True)
@@ -61,11 +67,25 @@ class LSHLayerOptions:
             layer.options = {**layer.options, "shared_qk": True}
 
 
-def n_buckets_for(L: int, opts: LSHOptions) -> int:
-    """b: given, or the even number nearest L / bucket_size (at least 2)."""
+def bucket_factors(L: int, opts: LSHOptions) -> tuple[int, ...]:
+    """The factors hashed apart: ``n_buckets`` as given, or b = the even number nearest
+    L / bucket_size (at least 2) -- factorized as (b₁, b₂), both even and near √b, once b passes
+    FACTORIZE_ABOVE."""
     if opts.n_buckets is not None:
-        return opts.n_buckets
-    return max(2, 2 * round(L / (2 * opts.bucket_size)))
+        return (opts.n_buckets,) if isinstance(opts.n_buckets, int) else opts.n_buckets
+    b = max(2, 2 * round(L / (2 * opts.bucket_size)))
+    if b <= FACTORIZE_ABOVE:
+        return (b,)
+    b1 = 2 * max(1, round(b**0.5 / 2))
+    return b1, 2 * max(1, round(b / b1 / 2))
+
+
+def n_buckets_for(L: int, opts: LSHOptions) -> int:
+    """The number of buckets: the product of :func:`bucket_factors`."""
+    b = 1
+    for factor in bucket_factors(L, opts):
+        b *= factor
+    return b
 
 
 def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, scale=None,
@@ -75,7 +95,8 @@ def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
 
     Shapes: q, k (B, H, L, D), v (B, H, L, Dv) -> (B, H, L, Dv); self-attention only.
     Cost O(n_hashes·L·2m·(D + Dv)) time for the rounds (m = bucket_size), plus
-    O(n_hashes²·L·2m) compares to count each key once, O(n_hashes·L·b·D) for the hash and
+    O(n_hashes²·L·2m) compares to count each key once, O(n_hashes·L·D·(b₁ + b₂ + ...)) for the
+    hash (b, or its factors: about 2√b by default past FACTORIZE_ABOVE buckets) and
     O(n_hashes·L log L) for the sort; O(n_hashes·L·m) memory (each round's scores). No L×L tensor.
     Choices: rotations are shared by batch and heads; chunk 0 has no chunk before it (no
     wrap-around); with ``shared_qk`` a query's own key scores −1e5, so it is attended only
@@ -99,14 +120,28 @@ def _buckets_and_order(q, k, opts, generator):
     lists original positions sorted by (bucket, position).
     """
     L, D = q.shape[2], q.shape[3]
+    factors = bucket_factors(L, opts)
+    columns = [b // 2 if b > 1 else 0 for b in factors]
+    rotations = torch.randn(opts.n_hashes, D, sum(columns), generator=generator,
+                            device=q.device)  # shared by batch and heads; the factors' side by side
+    q_buckets = factorized_hash(q, rotations, factors)
+    k_buckets = q_buckets if opts.shared_qk else factorized_hash(k, rotations, factors)
     b = n_buckets_for(L, opts)
-    rotations = torch.randn(opts.n_hashes, D, b // 2 if b > 1 else 0, generator=generator,
-                            device=q.device)  # shared by batch and heads
-    q_buckets = hash_buckets(q, rotations)
-    k_buckets = q_buckets if opts.shared_qk else hash_buckets(k, rotations)
     q_order = bucket_order(q_buckets, b)
     k_order = q_order if opts.shared_qk else bucket_order(k_buckets, b)
     return q_buckets, k_buckets, q_order, k_order
+
+
+def factorized_hash(x: torch.Tensor, rotations: torch.Tensor, factors: tuple[int, ...]) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, n_hashes, L) buckets h₁ + b₁·h₂ + b₁b₂·h₃ + ..., each hᵢ the hash of
+    its own b_i/2 columns of ``rotations`` (n_hashes, D, Σ b_i/2); one factor: the plain hash."""
+    buckets, first, scale = None, 0, 1
+    for b in factors:
+        half = b // 2 if b > 1 else 0
+        h = hash_buckets(x, rotations[..., first:first + half])
+        buckets = h if buckets is None else buckets.add_(h.mul_(scale))
+        first, scale = first + half, scale * b
+    return buckets
 
 
 def hashable(x: torch.Tensor, rotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,11 +322,11 @@ def lsh_reference(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, sc
 
 
 def lsh_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
-    """Per round: hashing (2·L·D·b/2 for q, and for k unless shared) and the chunked scores and
-    weighted values (2·Lp·2m·(D + Dv))."""
+    """Per round: hashing (2·L·D·Σ b_i/2 for q, and for k unless shared) and the chunked scores
+    and weighted values (2·Lp·2m·(D + Dv))."""
     L, m = Lq, opts.bucket_size
-    b = n_buckets_for(L, opts)
-    hashes = (1 if opts.shared_qk else 2) * 2.0 * L * D * (b // 2 if b > 1 else 0)
+    columns = sum(b // 2 if b > 1 else 0 for b in bucket_factors(L, opts))
+    hashes = (1 if opts.shared_qk else 2) * 2.0 * L * D * columns
     chunks = 2.0 * (-(-L // m)) * m * 2 * m * (D + Dv)
     return B * H * opts.n_hashes * (hashes + chunks)
 
