@@ -54,6 +54,11 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers like 1024,2048, got {text!r}") from None
 
 
+def _names(values: list[str]) -> list[str]:
+    """['full,local', 'lsh'] -> ['full', 'local', 'lsh']: names given with commas, spaces or both."""
+    return [name for value in values for name in value.split(",") if name]
+
+
 def _parse_value(text: str):
     """'8' -> 8, '0.5' -> 0.5, 'true' -> True, 'none' -> None, '32,32' -> (32, 32), else the text."""
     if "," in text:
@@ -95,8 +100,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from attnzoo.progress import progress
 
     config = BenchConfig(
-        mechanisms=args.mechanisms.split(",") if args.mechanisms else [],
-        lengths=args.lengths,
+        mechanisms=_names(args.mechanisms),
+        **({"lengths": [L for part in args.lengths for L in part]} if args.lengths else {}),
         shape=Shape(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                     causal=args.causal, backward=args.backward),
         repeats=args.repeats, threads=args.threads, timeout_s=args.timeout,
@@ -166,7 +171,7 @@ def cmd_patterns(args: argparse.Namespace, console: Console) -> int:
 
     from attnzoo.bench.patterns import draw
 
-    names = args.mechanisms.split(",") if args.mechanisms else attnzoo.mechanisms()
+    names = _names(args.mechanisms) or attnzoo.mechanisms()
     for name in names:
         attnzoo.get(name)
     with console.status(f"drawing {len(names)} mechanisms at L = {args.length}"):
@@ -287,9 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_bench = sub.add_parser("bench", help="time, memory, FLOPs and error of each mechanism by length",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p_bench.add_argument("--mechanisms", default="", help="comma-separated names (default: all)")
-    p_bench.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192],
-                         help="sequence lengths, e.g. 1024,2048")
+    p_bench.add_argument("--mechanisms", nargs="+", default=[],
+                         help="names, comma- or space-separated (default: all)")
+    p_bench.add_argument("--lengths", nargs="+", type=_int_list, default=None,
+                         help="sequence lengths, e.g. 1024,2048 or 1024 2048 (default: 1024 2048 4096 8192)")
     p_bench.add_argument("--batch", type=int, default=1)
     p_bench.add_argument("--heads", type=int, default=8)
     p_bench.add_argument("--head-dim", type=int, default=64)
@@ -309,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_pat = sub.add_parser("patterns", help="PNG grids of each mechanism's connectivity and weights",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p_pat.add_argument("--mechanisms", default="", help="comma-separated names (default: all)")
+    p_pat.add_argument("--mechanisms", nargs="+", default=[],
+                       help="names, comma- or space-separated (default: all)")
     p_pat.add_argument("--length", type=int, default=64)
     p_pat.add_argument("--non-causal", action="store_true", help="draw the non-causal variants")
     p_pat.add_argument("--seed", type=int, default=0, help="seed of the random inputs")

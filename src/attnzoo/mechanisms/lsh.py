@@ -339,7 +339,7 @@ register(
         fn=lsh_attention,
         reference=lsh_reference,
         capabilities=Capabilities(causal=True, cross=False, key_mask=True),
-        time="O(n_hashes L bucket_size d + L log L)",
+        time="O(n_hashes L d (bucket_size + √(L/bucket_size)) + L log L)",
         memory="O(n_hashes L bucket_size)",
         citation="Kitaev et al., Reformer: The Efficient Transformer, ICLR 2020",
         randomized=True,
