@@ -198,7 +198,7 @@ def report(runs: Path, docs: Path) -> None:
         "Command: `.venv/bin/python benchmarks/scale.py` (resumable; `--report` rewrites this page "
         "from the kept runs).", "",
         "![time and memory against length](img/scale.png)", ""]
-    for mode in MODES:
+    for mode in (mode for mode in MODES if found[mode]):
         lines += [f"## {'Forward (no grad)' if mode == 'forward' else 'Forward + backward'}", "",
                   *table(rows, mode), ""]
         full = next((r for r in rows if r["mode"] == mode and r["mechanism"] == "full"), None)
@@ -216,6 +216,10 @@ def report(runs: Path, docs: Path) -> None:
                  if (mode, r["mechanism"]) in WHY]
         if notes:
             lines += ["Where a target is missed, and why:", "", *notes, ""]
+    missing = [mode for mode in MODES if not found[mode]]
+    if missing:
+        lines += [f"Not run yet: {', '.join(missing)} (`benchmarks/scale.py --modes {','.join(missing)}` "
+                  "continues the run).", ""]
     (docs / "scale.md").write_text("\n".join(lines))
 
 

@@ -11,9 +11,10 @@ import attnzoo.mechanisms as _builtin  # noqa: F401  isort: skip
 import attnzoo.backends.cpu as _cpu_backend  # noqa: F401  isort: skip  (registers its overrides)
 from attnzoo.backends.cpu.memory import empty_cache
 from attnzoo.nn import MultiheadAttention
+from attnzoo.recommend import recommend
 from attnzoo.registry import attention, connectivity, get, mechanisms
 from attnzoo.swap import swap_attention
 
 __all__ = ["MultiheadAttention", "attention", "connectivity", "empty_cache", "get", "mechanisms",
-           "swap_attention"]
+           "recommend", "swap_attention"]
 __version__ = "0.1.0"

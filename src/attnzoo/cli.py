@@ -47,6 +47,26 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
+    rec = attnzoo.recommend(args.length, causal=args.causal, key_mask=args.key_mask, cross=args.cross,
+                            max_error=args.max_error, device=args.device, measure=args.measure)
+    console.print(f"[bold]{rec.mechanism}[/bold] at L = {rec.length}"
+                  f"{' (causal)' if rec.causal else ''}: {rec.reason}")
+    table = Table(title="the candidates, fastest first")
+    for col in ("mechanism", "time / full", "memory / full", "error", "measured at L", "why not"):
+        table.add_column(col, no_wrap=col != "why not")
+    ratio = "{:.2f}".format
+    for e in rec.runners_up:
+        table.add_row(e["mechanism"], "—" if e["time_ratio"] is None else ratio(e["time_ratio"]),
+                      "—" if e["memory_ratio"] is None else ratio(e["memory_ratio"]),
+                      "—" if e["error"] is None else f"{e['error']:.3g}", str(e["error_measured_at"] or "—"),
+                      e["why_not"] or "")
+    console.print(table)
+    console.print("error: normalised, ‖out − full‖ / ‖avg − full‖ on a trained forecaster's attention inputs "
+                  "(0 exact, 1 no closer than averaging)")
+    return 0
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(",", " ").split()]
@@ -324,6 +344,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a mechanism option, e.g. strided.stride=4 (repeatable)")
     p_pat.add_argument("--out", default="patterns", help="output folder")
     p_pat.set_defaults(run=cmd_patterns)
+
+    p_rec = sub.add_parser("recommend", help="the fastest mechanism within an error at a length",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p_rec.add_argument("--length", type=int, required=True, help="sequence length L")
+    p_rec.add_argument("--causal", action="store_true", help="causal attention")
+    p_rec.add_argument("--key-mask", action="store_true", help="the calls pass a key mask (padding)")
+    p_rec.add_argument("--cross", action="store_true", help="cross-attention (Lq != Lk)")
+    p_rec.add_argument("--max-error", type=float, default=0.1,
+                       help="largest normalised error on real attention inputs (0 exact, 1 averaging)")
+    p_rec.add_argument("--device", default=None, help="where the calls run (default: the CPU)")
+    p_rec.add_argument("--measure", action="store_true",
+                       help="time the candidates on this machine (cached) instead of the shipped table")
+    p_rec.set_defaults(run=cmd_recommend)
 
     p_fc = sub.add_parser("forecast", help="train and test the Informer-style forecaster (ETTh1 default)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)

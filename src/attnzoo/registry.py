@@ -84,6 +84,12 @@ class Mechanism:
 
 
 _REGISTRY: dict[str, Mechanism] = {}
+_AUTO: list[Mechanism] = []  # the "auto" spec attnzoo.recommend registers (not in mechanisms())
+
+
+def register_auto(spec: Mechanism) -> None:
+    """Make ``get("auto")`` return ``spec``: a choice made per call, not a mechanism of its own."""
+    _AUTO[:] = [spec]
 
 
 def register(spec: Mechanism) -> Mechanism:
@@ -108,7 +114,10 @@ def mechanisms() -> list[str]:
 
 
 def get(name: str) -> Mechanism:
-    """The spec of mechanism ``name``; ValueError listing the known names if unknown."""
+    """The spec of mechanism ``name``; ValueError listing the known names if unknown. ``"auto"``:
+    the choice :func:`attnzoo.recommend.recommend` makes for each call (not in :func:`mechanisms`)."""
+    if name == "auto" and _AUTO:
+        return _AUTO[0]
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown mechanism {name!r}; known mechanisms: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
@@ -210,7 +219,9 @@ def attention(
         q: ``(B, H, Lq, D)`` queries.
         k: ``(B, H, Lk, D)`` keys.
         v: ``(B, H, Lk, Dv)`` values.
-        mechanism: a name from :func:`mechanisms`.
+        mechanism: a name from :func:`mechanisms`, or ``"auto"``: the fastest one within
+            ``max_error`` (an option, default 0.1) normalised error at this length, as
+            :func:`attnzoo.recommend.recommend` chooses from measurements.
         causal: query i sees keys j <= i + Lk - Lq (queries are the *last* Lq
             positions, torch's ``causal_lower_right``); a query that sees no
             key gets zeros.

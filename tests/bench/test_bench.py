@@ -66,8 +66,11 @@ def test_sweep_contents_are_sane(tiny_sweep):
     for c in ok:
         if c["mechanism"] == "full":
             assert c["error_gaussian"] == 0 and c["error_peaked"] == 0
+            assert c["nerror_gaussian"] == 0 and c["nerror_peaked"] == 0
         else:
             assert 0 < c["error_gaussian"] and 0 < c["error_peaked"]
+            assert 0 < c["nerror_gaussian"] and 0 < c["nerror_peaked"]
+    assert "## Normalised error against full, peaked inputs" in (out / "report.md").read_text()
     for c in (c for c in result["cells"] if c["mechanism"] == "efficient"):
         assert c["status"] == "skipped" and "no causal form" in c["reason"]
     assert "efficient" in (out / "report.md").read_text().split("## Skipped")[1]
@@ -213,3 +216,19 @@ def test_a_child_writing_much_to_stderr_does_not_stall(monkeypatch):
     _fake_children(monkeypatch, FIRST_CELL.replace("print(", "sys.stderr.write('w' * 2**20); print(", 1))
     config = BenchConfig(mechanisms=["full"], lengths=[32], shape=Shape(heads=1, head_dim=8))
     assert [c["status"] for c in run_sweep(config)["cells"]] == ["ok"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_normalised_error_measures_against_the_visible_average(causal):
+    """avg is each query's plain mean of the values it may see (dense check): what full attention
+    gives where every score is equal."""
+    from attnzoo.bench.measure import visible_average
+
+    v = torch.randn(2, 3, 9, 4, dtype=torch.float64)
+    seen = torch.ones(9, 9, dtype=torch.float64)
+    seen = seen.tril() if causal else seen
+    want = (seen / seen.sum(-1, keepdim=True)) @ v
+    torch.testing.assert_close(visible_average(v, causal), want)
+    q = torch.zeros(2, 3, 9, 4, dtype=torch.float64)  # equal scores: full attention is the average
+    full = attnzoo.attention(q, torch.randn_like(q), v, causal=causal)
+    torch.testing.assert_close(full, want)

@@ -24,12 +24,15 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import torch
 
 import attnzoo
 
-FAMILIES = ("gaussian", "peaked")
+FAMILIES = ("gaussian", "peaked", "trained")
+TRAINED = Path(__file__).parents[1] / "data" / "trained_attention.pt"  # benchmarks/train_attention_inputs.py
 MMAP_THRESHOLD = 128 * 1024  # bytes: glibc maps larger blocks for their life (memory processes)
 
 
@@ -52,7 +55,12 @@ def make_inputs(shape: Shape, L: int, family: str, seed: int = 0):
       0.9, unit variance), q = k + 0.1 noise, scaled by 1.5: scores fall as
       ~18·0.9^|i-j|, so attention concentrates on the nearest ~20 positions, as in
       smooth time series.
+    - ``trained``: real attention inputs, those of the first encoder layer of a forecaster
+      trained on ETTh1 (:func:`trained_inputs`); (1, its heads, L, its head dim) whatever
+      the shape asks, the same for every seed.
     """
+    if family == "trained":
+        return tuple(t.to(getattr(torch, shape.dtype)) for t in trained_inputs(L))
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, shape.dtype)
     size = (shape.batch, shape.heads, L, shape.head_dim)
@@ -71,6 +79,36 @@ def make_inputs(shape: Shape, L: int, family: str, seed: int = 0):
     else:
         raise ValueError(f"unknown input family {family!r}; known: {FAMILIES}")
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@cache
+def _trained() -> dict:
+    """The shipped weights (benchmarks/train_attention_inputs.py)."""
+    return torch.load(TRAINED, weights_only=True)
+
+
+@torch.no_grad()
+def trained_inputs(L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (1, H, L, Dh) float32: the first L hours of ETTh1's OT (scaled as in training)
+    through the trained forecaster's input embedding, with its positions at length L, and its
+    first encoder layer's query, key and value projections (that layer sees the embedding)."""
+    from attnzoo.data import ETTH1
+    from attnzoo.data.timeseries import read_csv, time_features
+    from attnzoo.models.informer import DataEmbedding
+
+    saved = _trained()
+    w, d_model = saved["weights"], saved["d_model"]
+    series = read_csv(ETTH1)
+    if L > len(series.times):
+        raise ValueError(f"trained inputs: ETTh1 has {len(series.times)} hours, fewer than L = {L}")
+    embed = DataEmbedding(1, d_model, dropout=0.0, max_len=L)
+    embed.value.weight.copy_(w["value"])
+    embed.time.weight.copy_(w["time"])
+    ot = series.columns.index("OT")
+    x = ((series.values[:L, ot:ot + 1] - saved["mean"]) / saved["std"]).float()  # (L, 1)
+    h = embed(x[None], time_features(series.times[:L])[None].float())  # (1, L, d_model)
+    heads = [torch.nn.functional.linear(h, w[f"{p}.weight"], w[f"{p}.bias"]) for p in "qkv"]
+    return tuple(t.unflatten(-1, (saved["n_heads"], -1)).transpose(1, 2).contiguous() for t in heads)
 
 
 def _proc_status(field: str) -> int | None:
@@ -154,13 +192,26 @@ def timings(fn, repeats: int) -> list[float]:
     return times
 
 
-def relative_error(name: str, shape: Shape, L: int, family: str, options: dict) -> float:
-    """‖out − full‖ / ‖full‖ on one input family, forward, float64 accumulation of the norm."""
+def visible_average(v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Each query's plain average of the values it may see, (B, H, L, Dv) from v (B, H, L, Dv):
+    the mean of all of them, or causal the running mean of v_0..v_i. O(L·Dv)."""
+    if not causal:
+        return v.mean(2, keepdim=True).expand_as(v)
+    seen = torch.arange(1, v.shape[2] + 1, dtype=v.dtype, device=v.device)
+    return v.cumsum(2) / seen[:, None]
+
+
+def errors(name: str, shape: Shape, L: int, family: str, options: dict) -> tuple[float, float | None]:
+    """On one input family, forward, norms in float64: the relative error ‖out − full‖ / ‖full‖
+    and the normalised one, ‖out − full‖ / ‖avg − full‖, avg each query's plain average of the
+    values it may see (:func:`visible_average`): 0 is exact, 1 no closer to full attention than
+    averaging, above 1 farther. None where full attention is that average."""
     q, k, v = make_inputs(shape, L, family)
     fwd = Shape(**{**shape.__dict__, "backward": False})
     out = call(name, q, k, v, fwd, options).double()
     ref = call("full", q, k, v, fwd, {}).double()
-    return float((out - ref).norm() / ref.norm())
+    miss, spread = (out - ref).norm(), (visible_average(v.double(), shape.causal) - ref).norm()
+    return float(miss / ref.norm()), float(miss / spread) if spread > 0 else None
 
 
 def measure_cell(name: str, L: int, shape: Shape, options: dict, *, repeats: int,
@@ -188,8 +239,9 @@ def measure_cell(name: str, L: int, shape: Shape, options: dict, *, repeats: int
         "gflops_per_s": None if flops is None else flops / median / 1e9,
     }
     for family in FAMILIES:
-        cell[f"error_{family}"] = (relative_error(name, shape, L, family, options)
-                                   if L <= error_max_len else None)
+        measured = errors(name, shape, L, family, options) if L <= error_max_len else (None, None)
+        cell[f"error_{family}"], cell[f"nerror_{family}"] = measured
+    cell["err_trained"] = cell["nerror_trained"]  # the column to choose by: real inputs, normalised
     return cell
 
 
