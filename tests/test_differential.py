@@ -144,7 +144,7 @@ def run(name, xs, key_mask, case, *, reference, dtype=None, portable=False):
         xs = [x.detach().to(dtype).requires_grad_(x.requires_grad) for x in xs]
     q, k, v = call_inputs(xs, case)
     kw = dict(mechanism=name, causal=case["causal"], key_mask=key_mask, reference=reference,
-              generator=torch.Generator(DEVICE).manual_seed(case["seed"]))
+              generator=torch.Generator(DEVICE).manual_seed(case["seed"]), **case.get("options", {}))
     if reference:
         q, k, v = (t.contiguous() for t in (q, k, v))
     if mode == "no_grad":
@@ -205,6 +205,19 @@ def _compare(label, case, got, ref, golden):
 @given(data=st.data())
 def test_real_sizes(name, data):
     check(name, data.draw(real_sizes(name)))
+
+
+@pytest.mark.parametrize("tier, grad_mode, layout", [("one head", "grad_enabled", "transposed"),
+                                                      ("8 heads", "qkv", "last_dim_strided"),
+                                                      ("32+ heads", "no_grad", "expanded")])
+def test_lsh_factorized_buckets_at_real_sizes(tier, grad_mode, layout):
+    """lsh's default hash is factorized past FACTORIZE_ABOVE buckets (L > 16384, beyond what the
+    dense reference affords): here the factors are given, 6·4 buckets read by the backend's sort
+    and rounds, at the longest length of each tier."""
+    bh, (_, L) = TIERS[tier]
+    B, H = bh[-1]
+    check("lsh", dict(B=B, H=H, Lq=L, Lk=L, D=16, causal=True, masked=True, grad_mode=grad_mode,
+                      layout=layout, seed=3, dtype=torch.float32, options={"n_buckets": (6, 4)}))
 
 
 @pytest.mark.parametrize("name", MECHANISMS)

@@ -42,13 +42,13 @@ compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # (torch >= 
 
 
 def fast_enabled() -> bool:
-    """Whether overrides may run here: not with ``ATTNZOO_FAST=0`` and not inside :func:`portable`.
-    While ``torch.compile`` traces, only the traceable ones (an override's C kernel called through
-    ctypes, or a private op, would break its graph)."""
+    """Whether overrides may run here: not with ``ATTNZOO_FAST=0`` and not inside :func:`portable`."""
     return os.environ.get("ATTNZOO_FAST", "1") != "0" and not getattr(_LOCAL, "portable", False)
 
 
 def _override_of(name: str) -> Callable[..., Any] | None:
+    """The override an operation takes here: while ``torch.compile`` traces, only a traceable one
+    (an override's C kernel called through ctypes, or a private op, would break its graph)."""
     if not fast_enabled():
         return None
     return _TRACEABLE.get(name) if compiling() else _OVERRIDES.get(name)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from attnzoo.paths import cache_dir
 from attnzoo.registry import Capabilities, Mechanism, attention, get, mechanisms, register_auto
 
 TABLE = Path(__file__).with_name("data") / "recommend.json"
@@ -75,8 +76,6 @@ def _error_at(rows: list[dict], L: int) -> tuple[float | None, int | None]:
         return None, None
     at = [m for m in measured if m[0] <= L]
     length, error = at[-1] if at else measured[0]
-    if L > measured[-1][0]:  # beyond the table: the longest reading, said so in the reason
-        length, error = measured[-1]
     return error, length
 
 
@@ -117,10 +116,7 @@ def _time_here(name: str, L: int, causal: bool, device: torch.device, timeout_s:
 
 
 def _cache_path(device: torch.device) -> Path:
-    """Under ``$ATTNZOO_CACHE`` (default ``~/.cache/attnzoo``), where the C kernels' builds go too."""
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnzoo"
-    folder = Path(os.environ.get("ATTNZOO_CACHE", default))
-    return folder / f"recommend-{device.type}-torch{torch.__version__}.json"
+    return cache_dir() / f"recommend-{device.type}-torch{torch.__version__}.json"
 
 
 def _measured_times(L: int, causal: bool, names: list[str], device: torch.device) -> dict[str, float]:
@@ -188,8 +184,6 @@ def recommend(length: int, *, causal: bool = False, key_mask: bool = False, cros
         (others if why else candidates).append(entry)
     candidates.sort(key=lambda e: e["time_ratio"])
     best = candidates[0] if candidates and candidates[0]["time_ratio"] < 1 else None
-    if best is not None:
-        best["why_not"] = None
     for entry in candidates[1:] if best else candidates:
         entry["why_not"] = (f"slower ({entry['time_ratio']:.2f}x full's time)" if best is None
                             else f"slower than {best['mechanism']}")

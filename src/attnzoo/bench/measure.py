@@ -82,9 +82,12 @@ def make_inputs(shape: Shape, L: int, family: str, seed: int = 0):
 
 
 @cache
-def _trained() -> dict:
-    """The shipped weights (benchmarks/train_attention_inputs.py)."""
-    return torch.load(TRAINED, weights_only=True)
+def _trained() -> tuple[dict, object]:
+    """The shipped weights (benchmarks/train_attention_inputs.py) and the series they apply to."""
+    from attnzoo.data import ETTH1
+    from attnzoo.data.timeseries import read_csv
+
+    return torch.load(TRAINED, weights_only=True), read_csv(ETTH1)
 
 
 @torch.no_grad()
@@ -92,13 +95,11 @@ def trained_inputs(L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (1, H, L, Dh) float32: the first L hours of ETTh1's OT (scaled as in training)
     through the trained forecaster's input embedding, with its positions at length L, and its
     first encoder layer's query, key and value projections (that layer sees the embedding)."""
-    from attnzoo.data import ETTH1
-    from attnzoo.data.timeseries import read_csv, time_features
+    from attnzoo.data.timeseries import time_features
     from attnzoo.models.informer import DataEmbedding
 
-    saved = _trained()
+    saved, series = _trained()
     w, d_model = saved["weights"], saved["d_model"]
-    series = read_csv(ETTH1)
     if L > len(series.times):
         raise ValueError(f"trained inputs: ETTh1 has {len(series.times)} hours, fewer than L = {L}")
     embed = DataEmbedding(1, d_model, dropout=0.0, max_len=L)

@@ -13,6 +13,7 @@ the union of the keys a query meets in any round.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +83,7 @@ def bucket_factors(L: int, opts: LSHOptions) -> tuple[int, ...]:
 
 def n_buckets_for(L: int, opts: LSHOptions) -> int:
     """The number of buckets: the product of :func:`bucket_factors`."""
-    b = 1
-    for factor in bucket_factors(L, opts):
-        b *= factor
-    return b
+    return math.prod(bucket_factors(L, opts))
 
 
 def lsh_attention(q, k, v, opts=LSHOptions(), *, causal=False, key_mask=None, scale=None,
@@ -121,8 +119,7 @@ def _buckets_and_order(q, k, opts, generator):
     """
     L, D = q.shape[2], q.shape[3]
     factors = bucket_factors(L, opts)
-    columns = [b // 2 if b > 1 else 0 for b in factors]
-    rotations = torch.randn(opts.n_hashes, D, sum(columns), generator=generator,
+    rotations = torch.randn(opts.n_hashes, D, sum(b // 2 for b in factors), generator=generator,
                             device=q.device)  # shared by batch and heads; the factors' side by side
     q_buckets = factorized_hash(q, rotations, factors)
     k_buckets = q_buckets if opts.shared_qk else factorized_hash(k, rotations, factors)
@@ -137,7 +134,7 @@ def factorized_hash(x: torch.Tensor, rotations: torch.Tensor, factors: tuple[int
     its own b_i/2 columns of ``rotations`` (n_hashes, D, Σ b_i/2); one factor: the plain hash."""
     buckets, first, scale = None, 0, 1
     for b in factors:
-        half = b // 2 if b > 1 else 0
+        half = b // 2  # (0 for one bucket: hash_buckets gives bucket 0)
         h = hash_buckets(x, rotations[..., first:first + half])
         buckets = h if buckets is None else buckets.add_(h.mul_(scale))
         first, scale = first + half, scale * b
@@ -325,7 +322,7 @@ def lsh_flops(B, H, Lq, Lk, D, Dv, causal, opts) -> float:
     """Per round: hashing (2·L·D·Σ b_i/2 for q, and for k unless shared) and the chunked scores
     and weighted values (2·Lp·2m·(D + Dv))."""
     L, m = Lq, opts.bucket_size
-    columns = sum(b // 2 if b > 1 else 0 for b in bucket_factors(L, opts))
+    columns = sum(b // 2 for b in bucket_factors(L, opts))
     hashes = (1 if opts.shared_qk else 2) * 2.0 * L * D * columns
     chunks = 2.0 * (-(-L // m)) * m * 2 * m * (D + Dv)
     return B * H * opts.n_hashes * (hashes + chunks)

@@ -35,10 +35,6 @@ def _traceable(q: Tensor, k: Tensor, v: Tensor) -> bool:
             and q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype and v.dtype == q.dtype)
 
 
-def _lib(q: Tensor, k: Tensor, v: Tensor):
-    return native._kernels(q, k, v)
-
-
 def _portable_grads(fn, inputs: list[Tensor], grads: list[Tensor | None]) -> tuple[Tensor | None, ...]:
     """The gradients of ``fn(*inputs)``'s outputs (given ``grads``) by the portable body."""
     outs, pullback = torch.func.vjp(fn, *inputs)  # (autograd proper is off inside an operator)
@@ -79,7 +75,7 @@ if custom_op is not None:
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
         """φ(q) (Σ φ(k) vᵀ) / (φ(q)·Σ φ(k) + eps): q, k (B, H, L·, D), v (B, H, Lk, Dv) ->
         (out (B, H, Lq, Dv), and for the backward S (B·H, D, Dv), z (B·H, D))."""
-        lib = _lib(q, k, v)
+        lib = native._kernels(q, k, v)
         if lib is None:  # (the backward then takes the portable body's: S and z unused)
             return _portable_linear(q, k, v, key_mask, eps)[0], *_linear_state(q, v)
         return native._linear_forward(lib, q, k, v, key_mask, eps)
@@ -91,7 +87,7 @@ if custom_op is not None:
     @custom_op("attnzoo::linear_elu_backward", mutates_args=())
     def linear_elu_backward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, eps: float,
                             S: Tensor, z: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        lib = _lib(q, k, v)
+        lib = native._kernels(q, k, v)
         if lib is None:
             return _portable_grads(lambda q, k, v: _portable_linear(q, k, v, key_mask, eps)[:1], [q, k, v],
                                    [grad])
@@ -120,8 +116,7 @@ if custom_op is not None:
         and the state before, queries and keys aligned."""
         lib = native._kernels(q, k, v, S, z)
         if lib is None:
-            with torch.no_grad():
-                out, (S, z) = _portable_linear(q, k, v, key_mask, eps, state=(S, z))
+            out, (S, z) = _portable_linear(q, k, v, key_mask, eps, state=(S, z))
             return out, S, z
         return native._causal_linear_forward(lib, q, k, v, S, z, key_mask, eps)
 
@@ -165,7 +160,7 @@ if custom_op is not None:
                   key_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """σ_row(q) (σ_col(k)ᵀ v): q, k (B, H, L·, D), v (B, H, Lk, Dv) -> (out (B, H, Lq, Dv), and
         for the backward G (B·H, D, Dv), z, c (B·H, D), the queries' row shifts (B·H, Lq))."""
-        lib = _lib(q, k, v)
+        lib = native._kernels(q, k, v)
         if lib is None:  # (the backward then takes the portable body's: the rest unused)
             return _portable_efficient(q, k, v, key_mask), *_efficient_state(q, v)
         return native._efficient_forward(lib, q, k, v, key_mask, keep_shift=True)
@@ -177,7 +172,7 @@ if custom_op is not None:
     @custom_op("attnzoo::efficient_backward", mutates_args=())
     def efficient_backward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, G: Tensor, z: Tensor,
                            c: Tensor, shift: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        lib = _lib(q, k, v)
+        lib = native._kernels(q, k, v)
         if lib is None:
             return _portable_grads(lambda q, k, v: (_portable_efficient(q, k, v, key_mask),), [q, k, v],
                                    [grad])

@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from attnzoo.backends.cpu.memory import fresh_as, fresh_empty, fresh_like
 from attnzoo.ops import needs_grad
+from attnzoo.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("kernels.c")
 _REALS = {torch.float32: "float", torch.float64: "double"}  # the C type of each dtype built for
@@ -56,11 +57,6 @@ def enabled() -> bool:
 def available() -> bool:
     """Whether native kernels are on and a C compiler is found (a build may still fail)."""
     return enabled() and _compiler() is not None
-
-
-def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnzoo"
-    return Path(os.environ.get("ATTNZOO_CACHE", default))
 
 
 def _flags() -> list[str]:
