@@ -54,7 +54,10 @@ def run(runs: Path, mode: str, name: str) -> Path:
     if path.exists():
         return path
     full = name == "full"
-    config = BenchConfig(mechanisms=[name], lengths=FULL_LENGTHS if full else LENGTHS, repeats=1,
+    lengths = FULL_LENGTHS if full else LENGTHS
+    foreseen = _foreseen_skips(runs, mode, name, lengths)
+    lengths = [L for L in lengths if L not in {c["L"] for c in foreseen}]
+    config = BenchConfig(mechanisms=[name], lengths=lengths, repeats=1,
                          timeout_s=FULL_TIMEOUT_S if full else TIMEOUT_S, error_max_len=0,
                          shape=Shape(backward=MODES[mode]))
 
@@ -63,12 +66,28 @@ def run(runs: Path, mode: str, name: str) -> Path:
         print(f"{time.strftime('%H:%M:%S')}  {mode:8s} {name:12s} L=2^{cell['L'].bit_length() - 1}  {what}",
               flush=True)
 
-    result = run_sweep(config, on_cell=said)
+    result = run_sweep(config, on_cell=said) if lengths else {"machine": machine_info(2), "cells": []}
+    result["cells"] += foreseen
     runs.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(path)
     return path
+
+
+def _foreseen_skips(runs: Path, mode: str, name: str, lengths: list[int]) -> list[dict]:
+    """Skipped cells for the lengths whose forward call alone took more than a third of the timeout:
+    forward + backward costs about three forwards, so it would pass the timeout after running for
+    longer than the timeout twice (the memory process, then the warm-up)."""
+    forward = runs / f"forward-{name}.json"
+    if not MODES[mode] or not forward.exists():
+        return []
+    limit = FULL_TIMEOUT_S if name == "full" else TIMEOUT_S
+    cells = json.loads(forward.read_text())["cells"]
+    slow = {c["L"]: c["time_s"] for c in cells if c["status"] == "ok" and c["time_s"] > limit / 3}
+    return [{"L": L, "status": "skipped",
+             "reason": f"the forward alone took {slow[L]:.0f} s, so forward + backward would pass the "
+                       f"{limit:g} s timeout"} for L in lengths if L in slow]
 
 
 def load(runs: Path) -> dict[str, dict[str, list[dict]]]:

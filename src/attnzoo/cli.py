@@ -288,7 +288,7 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
                       model=model, batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
                       patience=args.patience, seed=args.seed, max_steps=args.max_steps,
                       max_rows=args.max_rows, out=args.out, resume=args.resume,
-                      stop_after_epochs=args.stop_after_epochs)
+                      stop_after_epochs=args.stop_after_epochs, checkpoint_every_s=args.checkpoint_every)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if console.is_terminal or not rank0:
         metrics = _train_with_bars(cfg, console, disable=not rank0)
@@ -300,7 +300,9 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
                       f"{metrics['epochs_run']} epochs)")
         console.print(f"wrote {args.out}/metrics.json, checkpoint.pt, best.pt, forecast.png")
     elif rank0:
-        console.print(f"stopped after epoch {metrics['stopped_after_epoch']}; continue with --resume")
+        where = (f"epoch {metrics['stopped_after_epoch']}" if "stopped_after_epoch" in metrics
+                 else f"{metrics['stopped_after_step']} batches")
+        console.print(f"stopped after {where}; continue with --resume")
     return 0
 
 
@@ -393,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     add("--out", default="runs/forecast", help="folder for checkpoints, metrics.json and forecast.png")
     add("--resume", action="store_true", help="continue an interrupted run from OUT/checkpoint.pt")
+    add("--checkpoint-every", type=float, default=600.0,
+        help="seconds between checkpoints within an epoch, so an interruption loses at most that much")
     add("--stop-after-epochs", type=int, default=None,
         help="stop after this many epochs, as if interrupted (then --resume)")
     p_fc.set_defaults(run=cmd_forecast)

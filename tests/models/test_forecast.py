@@ -103,6 +103,21 @@ def test_resume_continues_exactly(tmp_path):
     assert not list((tmp_path / "b").glob("*.tmp"))
 
 
+def test_resume_within_an_epoch_continues_exactly(tmp_path):
+    # Stopped within epoch 1 (after 3 of its 5 batches), then within epoch 2, and resumed each
+    # time: the same weights, dropout draws and metrics as a run that was never stopped.
+    straight = train(_cfg(tmp_path, "a"))
+    first = train(_cfg(tmp_path, "b", stop_after_steps=3))
+    assert first == {"stopped_after_step": 3, "history": []}
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["state"]["step"] == 3
+    second = train(_cfg(tmp_path, "b", resume=True, stop_after_steps=4))
+    assert second["stopped_after_step"] == 4 and len(second["history"]) == 1
+    resumed = train(_cfg(tmp_path, "b", resume=True))
+    assert straight["test"] == resumed["test"]
+    for a, b in zip(straight["history"], resumed["history"], strict=True):
+        assert a["train_loss"] == b["train_loss"] and a["val_mse"] == b["val_mse"]
+
+
 def test_resume_without_checkpoint_or_with_other_options_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint"):
         train(_cfg(tmp_path, "none", resume=True))

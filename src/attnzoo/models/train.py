@@ -5,9 +5,11 @@ Library code: it reports progress through callbacks and raises on bad input; the
 - Adam, MSE loss, learning rate halved every epoch, early stopping on the validation
   loss (Informer's recipe); test MSE and MAE in the scaled space, as the papers report.
 - A checkpoint (model, optimiser, scheduler, RNG states, epoch, early-stopping state) is
-  written atomically (temporary file, then ``os.replace``) after every epoch;
-  ``resume=True`` continues from it exactly. The data order of epoch e is a function
-  of (seed, e) alone (``DistributedSampler``), so it needs no saved state.
+  written atomically (temporary file, then ``os.replace``) after every epoch, and in a
+  single process also within an epoch every ``checkpoint_every_s`` seconds (with the
+  batches done so far); ``resume=True`` continues from it exactly. The data order of
+  epoch e is a function of (seed, e) alone (``DistributedSampler``), so it needs no saved
+  state: a run resumed within an epoch passes over the batches it has trained on.
 - Under ``torchrun`` (WORLD_SIZE > 1) the model trains with DistributedDataParallel
   (gloo on CPU, nccl on GPU), each rank a shard of every batch (``batch_size`` per
   rank), rank 0 alone writing files. BatchNorm in the distilling layers becomes
@@ -53,11 +55,15 @@ class TrainConfig:
     out: str = "runs/forecast"
     resume: bool = False
     stop_after_epochs: int | None = None  # stop (as if interrupted) after this many epochs
+    stop_after_steps: int | None = None  # stop (as if interrupted) after this many batches in all
+    checkpoint_every_s: float = 600.0  # single process: also checkpoint within an epoch this often
     plot_windows: int = 4  # test windows drawn in forecast.png
 
     def __post_init__(self):
         if self.batch_size < 1 or self.epochs < 1 or self.patience < 1 or self.lr <= 0:
             raise ValueError("batch_size, epochs and patience must be >= 1 and lr > 0")
+        if self.checkpoint_every_s < 0:
+            raise ValueError("checkpoint_every_s must be >= 0")
 
 
 @dataclass
@@ -136,7 +142,8 @@ def save_atomic(obj, path: Path) -> None:
 
 
 # What may change between an interrupted run and its resumption.
-_RESUMABLE = {"resume", "stop_after_epochs", "epochs", "patience", "plot_windows"}
+_RESUMABLE = {"resume", "stop_after_epochs", "stop_after_steps", "checkpoint_every_s", "epochs",
+              "patience", "plot_windows"}
 
 
 def _check_same_run(saved: dict, now: dict) -> None:
@@ -192,8 +199,11 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = DataLoader(data.val, batch_size=cfg.batch_size)
     test_loader = DataLoader(data.test, batch_size=cfg.batch_size)
-    state = {"epoch": 0, "best_val": math.inf, "bad_epochs": 0, "history": []}
+    # step, loss_sum, seconds: the current epoch's batches done, their summed loss, time spent
+    state = {"epoch": 0, "best_val": math.inf, "bad_epochs": 0, "history": [], "step": 0,
+             "loss_sum": 0.0, "seconds": 0.0}
     checkpoint_path, best_path = out / "checkpoint.pt", out / "best.pt"
+    rng_saved = None
     if cfg.resume:
         if not checkpoint_path.exists():
             raise ValueError(f"--resume: no checkpoint at {checkpoint_path}")
@@ -202,35 +212,58 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         _bare(model).load_state_dict(ckpt["model"])
         optimiser.load_state_dict(ckpt["optimiser"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        _set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0])
-        state = ckpt["state"]
+        rng_saved = ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0]
+        _set_rng_state(rng_saved)
+        state = {"step": 0, "loss_sum": 0.0, "seconds": 0.0, **ckpt["state"]}
+
+    def checkpoint(rng: list) -> None:
+        save_atomic({"model": _bare(model).state_dict(), "optimiser": optimiser.state_dict(),
+                     "scheduler": scheduler.state_dict(), "rng": rng, "state": state,
+                     "config": dataclasses.asdict(cfg)}, checkpoint_path)
+
     n_batches = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
+    steps_run = 0
     while state["epoch"] < cfg.epochs and state["bad_epochs"] < cfg.patience:
         epoch = state["epoch"]
         sampler.set_epoch(epoch)
         model.train()
         callbacks.on_epoch_start(epoch, n_batches)
-        total, started = 0.0, time.perf_counter()
-        for step, batch in enumerate(train_loader):
+        batches = iter(train_loader)  # draws the loader's base seed from the global generator
+        if state["step"]:  # resumed within the epoch: the state saved there follows that draw
+            _set_rng_state(rng_saved)
+        started = saved_at = time.perf_counter()
+        for step, batch in enumerate(batches):
             if step >= n_batches:
                 break
+            if step < state["step"]:
+                continue  # trained on before the interruption: the order is (seed, epoch)'s
             pred, y = _batches(model, batch, device)
             loss = nn.functional.mse_loss(pred, y)
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
-            total += loss.item()
+            state["loss_sum"] += loss.item()
             callbacks.on_batch(step, loss.item())
+            steps_run += 1
+            now = time.perf_counter()
+            stop = cfg.stop_after_steps is not None and steps_run >= cfg.stop_after_steps
+            if world == 1 and step + 1 < n_batches and (stop or now - saved_at >= cfg.checkpoint_every_s):
+                state["step"], state["seconds"] = step + 1, state["seconds"] + now - started
+                started = saved_at = now
+                checkpoint([_rng_state()])
+            if stop and step + 1 < n_batches:
+                return {"stopped_after_step": steps_run, "history": state["history"]}
         scheduler.step()
         val = evaluate(model, val_loader, device)["mse"]
         improved = val < state["best_val"]
         state["best_val"] = min(val, state["best_val"])
         state["bad_epochs"] = 0 if improved else state["bad_epochs"] + 1
         state["epoch"] = epoch + 1
-        record = {"epoch": epoch + 1, "train_loss": total / max(n_batches, 1), "val_mse": val,
+        record = {"epoch": epoch + 1, "train_loss": state["loss_sum"] / max(n_batches, 1), "val_mse": val,
                   "lr": optimiser.param_groups[0]["lr"], "improved": improved,
-                  "seconds": time.perf_counter() - started}
+                  "seconds": state["seconds"] + time.perf_counter() - started}
         state["history"].append(record)
+        state.update(step=0, loss_sum=0.0, seconds=0.0)
         rng = [None] * world
         if world > 1:
             dist.all_gather_object(rng, _rng_state())
@@ -239,13 +272,12 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         if rank == 0:
             if improved:
                 save_atomic(_bare(model).state_dict(), best_path)
-            save_atomic({"model": _bare(model).state_dict(), "optimiser": optimiser.state_dict(),
-                         "scheduler": scheduler.state_dict(), "rng": rng, "state": state,
-                         "config": dataclasses.asdict(cfg)}, checkpoint_path)
+            checkpoint(rng)
         if world > 1:
             dist.barrier()
         callbacks.on_epoch_end(epoch, record)
-        if cfg.stop_after_epochs is not None and epoch + 1 >= cfg.stop_after_epochs:
+        stopped = cfg.stop_after_steps is not None and steps_run >= cfg.stop_after_steps
+        if stopped or (cfg.stop_after_epochs is not None and epoch + 1 >= cfg.stop_after_epochs):
             return {"stopped_after_epoch": epoch + 1, "history": state["history"]}
     _bare(model).load_state_dict(torch.load(best_path, map_location=device, weights_only=True))
     metrics = {"test": evaluate(model, test_loader, device), "best_val_mse": state["best_val"],
