@@ -57,17 +57,20 @@ def run(runs: Path, mode: str, name: str) -> Path:
     lengths = FULL_LENGTHS if full else LENGTHS
     foreseen = _foreseen_skips(runs, mode, name, lengths)
     lengths = [L for L in lengths if L not in {c["L"] for c in foreseen}]
-    config = BenchConfig(mechanisms=[name], lengths=lengths, repeats=1,
-                         timeout_s=FULL_TIMEOUT_S if full else TIMEOUT_S, error_max_len=0,
-                         shape=Shape(backward=MODES[mode]))
 
     def said(cell: dict) -> None:
         what = (f"{cell['time_s']:.2f} s" if cell["status"] == "ok" else f"skipped: {cell['reason']}")
         print(f"{time.strftime('%H:%M:%S')}  {mode:8s} {name:12s} L=2^{cell['L'].bit_length() - 1}  {what}",
               flush=True)
 
-    result = run_sweep(config, on_cell=said) if lengths else {"machine": machine_info(2), "cells": []}
-    result["cells"] += foreseen
+    if lengths:
+        config = BenchConfig(mechanisms=[name], lengths=lengths, repeats=1,
+                             timeout_s=FULL_TIMEOUT_S if full else TIMEOUT_S, error_max_len=0,
+                             shape=Shape(backward=MODES[mode]))
+        result = run_sweep(config, on_cell=said)
+    else:
+        result = {"machine": machine_info(BenchConfig().threads), "cells": []}
+    result["cells"] = sorted(result["cells"] + foreseen, key=lambda c: c["L"])
     runs.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
@@ -76,18 +79,24 @@ def run(runs: Path, mode: str, name: str) -> Path:
 
 
 def _foreseen_skips(runs: Path, mode: str, name: str, lengths: list[int]) -> list[dict]:
-    """Skipped cells for the lengths whose forward call alone took more than a third of the timeout:
-    forward + backward costs about three forwards, so it would pass the timeout after running for
-    longer than the timeout twice (the memory process, then the warm-up)."""
+    """Skipped cells for forward + backward from the first length whose forward call alone took
+    more than a third of the timeout (or did not run): forward + backward costs about three
+    forwards, so trying it would cost more than the timeout twice (the memory process, then the
+    warm-up) before it was skipped anyway."""
     forward = runs / f"forward-{name}.json"
     if not MODES[mode] or not forward.exists():
         return []
     limit = FULL_TIMEOUT_S if name == "full" else TIMEOUT_S
-    cells = json.loads(forward.read_text())["cells"]
-    slow = {c["L"]: c["time_s"] for c in cells if c["status"] == "ok" and c["time_s"] > limit / 3}
-    return [{"L": L, "status": "skipped",
-             "reason": f"the forward alone took {slow[L]:.0f} s, so forward + backward would pass the "
-                       f"{limit:g} s timeout"} for L in lengths if L in slow]
+    cells = {c["L"]: c for c in json.loads(forward.read_text())["cells"]}
+    for i, L in enumerate(lengths):
+        c = cells.get(L)
+        if c is None or c["status"] != "ok" or c["time_s"] > limit / 3:
+            why = ("its forward did not run" if c is None or c["status"] != "ok"
+                   else f"its forward alone took {c['time_s']:.0f} s")
+            return [{"mechanism": name, "L": n, "status": "skipped",
+                     "reason": f"not tried: {why} at L = 2^{L.bit_length() - 1}, so forward + backward "
+                               f"would likely pass the {limit:g} s timeout"} for n in lengths[i:]]
+    return []
 
 
 def load(runs: Path) -> dict[str, dict[str, list[dict]]]:

@@ -231,7 +231,7 @@ def _train_with_bars(cfg, console: Console, disable: bool) -> dict:
             bar.reset(batches, total=n, description=f"epoch {epoch + 1}", note="")
 
         def batch(step, loss):
-            bar.update(batches, advance=1, note=f"loss {loss:.4f}")
+            bar.update(batches, completed=step + 1, note=f"loss {loss:.4f}")  # resumed: from its batch
 
         def end(epoch, record):
             bar.update(epochs, completed=record["epoch"],
@@ -288,7 +288,8 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
                       model=model, batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
                       patience=args.patience, seed=args.seed, max_steps=args.max_steps,
                       max_rows=args.max_rows, out=args.out, resume=args.resume,
-                      stop_after_epochs=args.stop_after_epochs, checkpoint_every_s=args.checkpoint_every)
+                      stop_after_epochs=args.stop_after_epochs, stop_after_steps=args.stop_after_steps,
+                      checkpoint_every_s=args.checkpoint_every)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if console.is_terminal or not rank0:
         metrics = _train_with_bars(cfg, console, disable=not rank0)
@@ -396,9 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--out", default="runs/forecast", help="folder for checkpoints, metrics.json and forecast.png")
     add("--resume", action="store_true", help="continue an interrupted run from OUT/checkpoint.pt")
     add("--checkpoint-every", type=float, default=600.0,
-        help="seconds between checkpoints within an epoch, so an interruption loses at most that much")
+        help="seconds between checkpoints within an epoch (one process; 0: every batch), so an "
+             "interruption loses at most that much")
     add("--stop-after-epochs", type=int, default=None,
         help="stop after this many epochs, as if interrupted (then --resume)")
+    add("--stop-after-steps", type=int, default=None,
+        help="stop after training this many batches, as if interrupted (then --resume)")
     p_fc.set_defaults(run=cmd_forecast)
     return parser
 

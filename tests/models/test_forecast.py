@@ -103,19 +103,38 @@ def test_resume_continues_exactly(tmp_path):
     assert not list((tmp_path / "b").glob("*.tmp"))
 
 
+def _same_weights(tmp_path, a: str, b: str) -> None:
+    wa = torch.load(tmp_path / a / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(tmp_path / b / "checkpoint.pt", weights_only=False)["model"]
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        if isinstance(wa[name], torch.Tensor):
+            assert torch.equal(wa[name], wb[name]), name
+
+
 def test_resume_within_an_epoch_continues_exactly(tmp_path):
-    # Stopped within epoch 1 (after 3 of its 5 batches), then within epoch 2, and resumed each
-    # time: the same weights, dropout draws and metrics as a run that was never stopped.
+    # Stopped within epoch 1 (after 3 of its 5 batches), then within epoch 2, each time resumed,
+    # checkpointing after every batch on the way: the same weights, dropout draws, losses and
+    # metrics as a run that was never stopped.
     straight = train(_cfg(tmp_path, "a"))
     first = train(_cfg(tmp_path, "b", stop_after_steps=3))
     assert first == {"stopped_after_step": 3, "history": []}
-    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["state"]["step"] == 3
-    second = train(_cfg(tmp_path, "b", resume=True, stop_after_steps=4))
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["state"]["batches_done"] == 3
+    second = train(_cfg(tmp_path, "b", resume=True, stop_after_steps=4, checkpoint_every_s=0))
     assert second["stopped_after_step"] == 4 and len(second["history"]) == 1
-    resumed = train(_cfg(tmp_path, "b", resume=True))
+    resumed = train(_cfg(tmp_path, "b", resume=True, checkpoint_every_s=0))
+    _same_weights(tmp_path, "a", "b")
     assert straight["test"] == resumed["test"]
     for a, b in zip(straight["history"], resumed["history"], strict=True):
         assert a["train_loss"] == b["train_loss"] and a["val_mse"] == b["val_mse"]
+
+
+def test_a_stop_at_an_epochs_last_batch_ends_the_epoch(tmp_path):
+    stopped = train(_cfg(tmp_path, "c", stop_after_steps=5))  # 5 batches an epoch
+    assert stopped["stopped_after_epoch"] == 1
+    assert torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=False)["state"]["batches_done"] == 0
+    with pytest.raises(ValueError, match="must be >= 1"):
+        _cfg(tmp_path, "d", stop_after_steps=0)
 
 
 def test_resume_without_checkpoint_or_with_other_options_is_refused(tmp_path):

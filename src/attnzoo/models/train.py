@@ -4,12 +4,13 @@ Library code: it reports progress through callbacks and raises on bad input; the
 
 - Adam, MSE loss, learning rate halved every epoch, early stopping on the validation
   loss (Informer's recipe); test MSE and MAE in the scaled space, as the papers report.
-- A checkpoint (model, optimiser, scheduler, RNG states, epoch, early-stopping state) is
-  written atomically (temporary file, then ``os.replace``) after every epoch, and in a
-  single process also within an epoch every ``checkpoint_every_s`` seconds (with the
-  batches done so far); ``resume=True`` continues from it exactly. The data order of
-  epoch e is a function of (seed, e) alone (``DistributedSampler``), so it needs no saved
-  state: a run resumed within an epoch passes over the batches it has trained on.
+- A checkpoint (model, optimiser, scheduler, RNG states, epoch, early-stopping state, and
+  within an epoch the batches done, their summed loss and the seconds spent) is written
+  atomically (temporary file, then ``os.replace``) after every epoch and, in a single
+  process, also within an epoch every ``checkpoint_every_s`` seconds; ``resume=True``
+  continues from it exactly. The data order of epoch e is a function of (seed, e) alone
+  (``DistributedSampler``), so it needs no saved state: a run resumed within an epoch
+  skips the batches it had trained on.
 - Under ``torchrun`` (WORLD_SIZE > 1) the model trains with DistributedDataParallel
   (gloo on CPU, nccl on GPU), each rank a shard of every batch (``batch_size`` per
   rank), rank 0 alone writing files. BatchNorm in the distilling layers becomes
@@ -55,8 +56,8 @@ class TrainConfig:
     out: str = "runs/forecast"
     resume: bool = False
     stop_after_epochs: int | None = None  # stop (as if interrupted) after this many epochs
-    stop_after_steps: int | None = None  # stop (as if interrupted) after this many batches in all
-    checkpoint_every_s: float = 600.0  # single process: also checkpoint within an epoch this often
+    stop_after_steps: int | None = None  # stop (as if interrupted) after training this many batches
+    checkpoint_every_s: float = 600.0  # single process: also checkpoint within an epoch (0: every batch)
     plot_windows: int = 4  # test windows drawn in forecast.png
 
     def __post_init__(self):
@@ -64,6 +65,8 @@ class TrainConfig:
             raise ValueError("batch_size, epochs and patience must be >= 1 and lr > 0")
         if self.checkpoint_every_s < 0:
             raise ValueError("checkpoint_every_s must be >= 0")
+        if any(n is not None and n < 1 for n in (self.stop_after_epochs, self.stop_after_steps)):
+            raise ValueError("stop_after_epochs and stop_after_steps must be >= 1")
 
 
 @dataclass
@@ -128,10 +131,11 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    # .cpu(): a checkpoint loaded with map_location="cuda" moved the states, which must be on the CPU
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -199,11 +203,10 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = DataLoader(data.val, batch_size=cfg.batch_size)
     test_loader = DataLoader(data.test, batch_size=cfg.batch_size)
-    # step, loss_sum, seconds: the current epoch's batches done, their summed loss, time spent
-    state = {"epoch": 0, "best_val": math.inf, "bad_epochs": 0, "history": [], "step": 0,
-             "loss_sum": 0.0, "seconds": 0.0}
+    within = {"batches_done": 0, "loss_sum": 0.0, "seconds": 0.0}  # of the epoch under way
+    state = {"epoch": 0, "best_val": math.inf, "bad_epochs": 0, "history": [], **within}
     checkpoint_path, best_path = out / "checkpoint.pt", out / "best.pt"
-    rng_saved = None
+    resumed_rng = None
     if cfg.resume:
         if not checkpoint_path.exists():
             raise ValueError(f"--resume: no checkpoint at {checkpoint_path}")
@@ -212,14 +215,17 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         _bare(model).load_state_dict(ckpt["model"])
         optimiser.load_state_dict(ckpt["optimiser"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        rng_saved = ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0]
-        _set_rng_state(rng_saved)
-        state = {"step": 0, "loss_sum": 0.0, "seconds": 0.0, **ckpt["state"]}
+        resumed_rng = ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0]
+        _set_rng_state(resumed_rng)
+        state = {**within, **ckpt["state"]}
+        if state["batches_done"] and ckpt.get("world", 1) != world:
+            raise ValueError(f"--resume: the checkpoint was written within an epoch by "
+                             f"{ckpt.get('world', 1)} process(es); resume it with as many, not {world}")
 
     def checkpoint(rng: list) -> None:
         save_atomic({"model": _bare(model).state_dict(), "optimiser": optimiser.state_dict(),
                      "scheduler": scheduler.state_dict(), "rng": rng, "state": state,
-                     "config": dataclasses.asdict(cfg)}, checkpoint_path)
+                     "config": dataclasses.asdict(cfg), "world": world}, checkpoint_path)
 
     n_batches = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
     steps_run = 0
@@ -229,14 +235,14 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         model.train()
         callbacks.on_epoch_start(epoch, n_batches)
         batches = iter(train_loader)  # draws the loader's base seed from the global generator
-        if state["step"]:  # resumed within the epoch: the state saved there follows that draw
-            _set_rng_state(rng_saved)
+        if state["batches_done"]:  # resumed within the epoch: skip what was trained on, then take
+            for _ in range(state["batches_done"]):  # the RNG state saved there, after that draw
+                next(batches)
+            _set_rng_state(resumed_rng)
         started = saved_at = time.perf_counter()
-        for step, batch in enumerate(batches):
+        for step, batch in enumerate(batches, start=state["batches_done"]):
             if step >= n_batches:
                 break
-            if step < state["step"]:
-                continue  # trained on before the interruption: the order is (seed, epoch)'s
             pred, y = _batches(model, batch, device)
             loss = nn.functional.mse_loss(pred, y)
             optimiser.zero_grad()
@@ -246,12 +252,14 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
             callbacks.on_batch(step, loss.item())
             steps_run += 1
             now = time.perf_counter()
+            # Within an epoch: a checkpoint every checkpoint_every_s (single process), and the stop
+            # of stop_after_steps (at an epoch's last batch, the epoch's end does both).
             stop = cfg.stop_after_steps is not None and steps_run >= cfg.stop_after_steps
             if world == 1 and step + 1 < n_batches and (stop or now - saved_at >= cfg.checkpoint_every_s):
-                state["step"], state["seconds"] = step + 1, state["seconds"] + now - started
+                state["batches_done"], state["seconds"] = step + 1, state["seconds"] + now - started
                 started = saved_at = now
                 checkpoint([_rng_state()])
-            if stop and step + 1 < n_batches:
+            if stop and step + 1 < n_batches:  # under torchrun: --resume goes back to the epoch's start
                 return {"stopped_after_step": steps_run, "history": state["history"]}
         scheduler.step()
         val = evaluate(model, val_loader, device)["mse"]
@@ -263,7 +271,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                   "lr": optimiser.param_groups[0]["lr"], "improved": improved,
                   "seconds": state["seconds"] + time.perf_counter() - started}
         state["history"].append(record)
-        state.update(step=0, loss_sum=0.0, seconds=0.0)
+        state.update(within)
         rng = [None] * world
         if world > 1:
             dist.all_gather_object(rng, _rng_state())
