@@ -86,23 +86,6 @@ def _cfg(tmp_path, out, **kw):
                        out=str(tmp_path / out), **kw)
 
 
-def test_resume_continues_exactly(tmp_path):
-    straight = train(_cfg(tmp_path, "a"))
-    stopped = train(_cfg(tmp_path, "b", stop_after_epochs=1))
-    assert stopped["stopped_after_epoch"] == 1
-    resumed = train(_cfg(tmp_path, "b", resume=True))
-    wa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
-    wb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        if isinstance(wa[name], torch.Tensor):
-            assert torch.equal(wa[name], wb[name]), name
-    assert straight["test"] == resumed["test"]
-    for f in ("metrics.json", "best.pt", "forecast.png"):
-        assert (tmp_path / "b" / f).exists()
-    assert not list((tmp_path / "b").glob("*.tmp"))
-
-
 def _same_weights(tmp_path, a: str, b: str) -> None:
     wa = torch.load(tmp_path / a / "checkpoint.pt", weights_only=False)["model"]
     wb = torch.load(tmp_path / b / "checkpoint.pt", weights_only=False)["model"]
@@ -112,34 +95,34 @@ def _same_weights(tmp_path, a: str, b: str) -> None:
             assert torch.equal(wa[name], wb[name]), name
 
 
-def test_resume_within_an_epoch_continues_exactly(tmp_path):
-    # Stopped within epoch 1 (after 3 of its 5 batches), then within epoch 2, each time resumed,
-    # checkpointing after every batch on the way: the same weights, dropout draws, losses and
-    # metrics as a run that was never stopped.
+def test_resume_continues_exactly(tmp_path):
+    # Two epochs of 5 batches, stopped within epoch 1 (after 3 batches), at its end (a stop on an
+    # epoch's last batch ends the epoch), within epoch 2 (checkpointing after every batch on the
+    # way), and resumed each time: the same weights, dropout draws, losses and metrics as a run
+    # that was never stopped.
     straight = train(_cfg(tmp_path, "a"))
-    first = train(_cfg(tmp_path, "b", stop_after_steps=3))
-    assert first == {"stopped_after_step": 3, "history": []}
+    assert train(_cfg(tmp_path, "b", stop_after_steps=3)) == {"stopped_after_step": 3, "history": []}
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["state"]["batches_done"] == 3
-    second = train(_cfg(tmp_path, "b", resume=True, stop_after_steps=4, checkpoint_every_s=0))
-    assert second["stopped_after_step"] == 4 and len(second["history"]) == 1
+    at_end = train(_cfg(tmp_path, "b", resume=True, stop_after_steps=2))
+    assert at_end["stopped_after_epoch"] == 1
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["state"]["batches_done"] == 0
+    within = train(_cfg(tmp_path, "b", resume=True, stop_after_steps=2, checkpoint_every_s=0))
+    assert within["stopped_after_step"] == 2 and len(within["history"]) == 1
     resumed = train(_cfg(tmp_path, "b", resume=True, checkpoint_every_s=0))
     _same_weights(tmp_path, "a", "b")
     assert straight["test"] == resumed["test"]
     for a, b in zip(straight["history"], resumed["history"], strict=True):
         assert a["train_loss"] == b["train_loss"] and a["val_mse"] == b["val_mse"]
-
-
-def test_a_stop_at_an_epochs_last_batch_ends_the_epoch(tmp_path):
-    stopped = train(_cfg(tmp_path, "c", stop_after_steps=5))  # 5 batches an epoch
-    assert stopped["stopped_after_epoch"] == 1
-    assert torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=False)["state"]["batches_done"] == 0
-    with pytest.raises(ValueError, match="must be >= 1"):
-        _cfg(tmp_path, "d", stop_after_steps=0)
+    for f in ("metrics.json", "best.pt", "forecast.png"):
+        assert (tmp_path / "b" / f).exists()
+    assert not list((tmp_path / "b").glob("*.tmp"))
 
 
 def test_resume_without_checkpoint_or_with_other_options_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint"):
         train(_cfg(tmp_path, "none", resume=True))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        _cfg(tmp_path, "none", stop_after_steps=0)
     train(_cfg(tmp_path, "c", stop_after_epochs=1))
     with pytest.raises(ValueError, match="different run .*lr: saved 0.0001, now 0.001"):
         train(_cfg(tmp_path, "c", resume=True, lr=1e-3))
