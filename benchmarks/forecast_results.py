@@ -320,6 +320,7 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
 
 def report(runs: Path, docs: Path) -> None:
     rows = {cell: summary(done) for cell, done in cells(runs, grid()).items()}
+    finished = sum(metrics(runs, run) is not None for run in grid())
     (docs / "results.json").write_text(json.dumps(sorted(rows.values(), key=lambda r: (
         r["revin"], r["pred_len"], r["seq_len"], r["mechanism"])), indent=1) + "\n")
     pictured = plot_lengths(rows, docs / PICTURE)
@@ -338,13 +339,17 @@ def report(runs: Path, docs: Path) -> None:
         "paper's 512, 8 and 2048. Measured on this 2-core machine (one training step of 32 windows, "
         "prob_sparse, 720-step input, horizon 168): the paper's width 13.0 s on 2 threads (about an hour "
         "an epoch of ~250 steps, 6 hours a run, 70 hours for the 12 runs of prob_sparse and full); "
-        "d_model 256 6.9 s and d_model 128 2.7 s on one thread each, two runs side by side. The "
-        "narrower model is the widest at which the grid fits in days, not hours.",
+        "d_model 256 6.9 s and d_model 128 2.7 s on one thread each, two runs side by side; at d_model "
+        "128 an epoch of the grid takes 10–11 minutes and a run about an hour. The narrower model is "
+        "the widest at which the grid fits in days, not weeks.",
         "",
         f"Every run: `attnzoo {' '.join(['forecast', config])} --seq-len N --label-len M --pred-len H "
         "--attn MECH [--revin] --seed S`; the exact command of each cell is in results.json. "
-        "Cells give the mean over seeds, ± half their range.",
-        "", "## The protocol table", "", *protocol_table(rows, False), "",
+        "Cells give the mean over seeds, ± half their range.", "",
+        *([] if finished == len(grid()) else [
+            f"**The grid is still training: {finished} of its {len(grid())} runs have finished** "
+            "(`benchmarks/forecast_results.py --list` shows which); a cell without a run reads —.", ""]),
+        "## The protocol table", "", *protocol_table(rows, False), "",
         "## With RevIN", "",
         "`--revin`: each input window normalised by its own mean and deviation (with a learnt affine), "
         "the forecast mapped back (Kim et al., ICLR 2022).", "",
