@@ -239,7 +239,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
             for _ in range(state["batches_done"]):  # the RNG state saved there, after that draw
                 next(batches)
             _set_rng_state(resumed_rng)
-        started = saved_at = time.perf_counter()
+        started = time.perf_counter()  # of the time not yet in state["seconds"]
         for step, batch in enumerate(batches, start=state["batches_done"]):
             if step >= n_batches:
                 break
@@ -255,9 +255,9 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
             # Within an epoch: a checkpoint every checkpoint_every_s (single process), and the stop
             # of stop_after_steps (at an epoch's last batch, the epoch's end does both).
             stop = cfg.stop_after_steps is not None and steps_run >= cfg.stop_after_steps
-            if world == 1 and step + 1 < n_batches and (stop or now - saved_at >= cfg.checkpoint_every_s):
+            if world == 1 and step + 1 < n_batches and (stop or now - started >= cfg.checkpoint_every_s):
                 state["batches_done"], state["seconds"] = step + 1, state["seconds"] + now - started
-                started = saved_at = now
+                started = now
                 checkpoint([_rng_state()])
             if stop and step + 1 < n_batches:  # under torchrun: --resume goes back to the epoch's start
                 return {"stopped_after_step": steps_run, "history": state["history"]}
