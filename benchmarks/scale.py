@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -152,8 +153,8 @@ def summary(found: dict) -> list[dict]:
 def _cell_text(c: dict | None, key: str) -> str:
     if c is None:
         return "—"
-    if c["status"] != "ok":
-        return "out of memory" if "out of memory" in c.get("reason", "") else "not run"
+    if c["status"] != "ok":  # a length past one that ran out of memory was not tried: "not run"
+        return "out of memory" if f"out of memory at L={c['L']} " in c.get("reason", "") else "not run"
     value = c.get(key)
     if value is None:
         return "—"
@@ -165,10 +166,20 @@ def _verdict(row: dict) -> str:
     if row["time_target"] is None:
         return ""
     if t is None:
-        return "✗ one length only"
-    ok_t, ok_m = t <= row["time_target"], m is not None and m <= MEMORY_TARGET
+        ran = sum(c["status"] == "ok" for c in row["cells"])
+        return "✗ one length only" if ran else "✗ did not run"
+    if m is None:
+        return "✗ no memory reading"
+    ok_t, ok_m = t <= row["time_target"], m <= MEMORY_TARGET
     return "✓" if ok_t and ok_m else "✗ " + ", ".join(
         what for what, ok in (("time", ok_t), ("memory", ok_m)) if not ok)
+
+
+def _memory_cap_gib(rows: list[dict], mode: str) -> float | None:
+    """The memory cap the cells of ``mode`` that ran out of memory were under (None: none did)."""
+    caps = [float(m.group(1)) for r in rows if r["mode"] == mode for c in r["cells"]
+            if (m := re.search(r"out of memory at L=\d+ \(limit ([\d.]+) GiB\)", c.get("reason") or ""))]
+    return max(caps, default=None)
 
 
 def table(rows: list[dict], mode: str) -> list[str]:
@@ -247,14 +258,15 @@ def report(runs: Path, docs: Path) -> None:
     for mode in (mode for mode in MODES if found[mode]):
         lines += [f"## {'Forward (no grad)' if mode == 'forward' else 'Forward + backward'}", "",
                   *table(rows, mode), ""]
-        if MODES[mode]:
+        cap = _memory_cap_gib(rows, mode)
+        if MODES[mode] and cap is not None:
             lines += [
                 "Memory sets the limit here, not time. At L = 2^20 a forward + backward keeps q, k, v, "
                 "their gradients, the output and its gradient: eight (1, 8, 2^20, 64) float32 tensors "
                 "of 2 GiB, 16 GiB (the inputs are not counted in the table's peak, the other 10 GiB "
-                "are) of the 17.7 GiB the run allows itself on this 24 GiB machine. A mechanism that "
-                "saves more than about 1.7 GiB for its backward (less than one more tensor of that "
-                "size) runs out of memory there, and its exponents are fitted to 2^18.", ""]
+                f"are) of the {cap:g} GiB the run allows itself on this machine. A mechanism that "
+                f"saves more than about {cap - 16:.1f} GiB for its backward runs out of memory there, "
+                "and its exponents are fitted to 2^18.", ""]
         full = next((r for r in rows if r["mode"] == mode and r["mechanism"] == "full"), None)
         if full is not None:
             lines += ["Full attention (SDPA): " + ", ".join(

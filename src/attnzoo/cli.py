@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--stop-after-epochs", type=int, default=None,
         help="stop after this many epochs, as if interrupted (then --resume)")
     add("--stop-after-steps", type=int, default=None,
-        help="stop after training this many batches, as if interrupted (then --resume)")
+        help="stop after training this many batches, as if interrupted (one process; then --resume)")
     p_fc.set_defaults(run=cmd_forecast)
     return parser
 

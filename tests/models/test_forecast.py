@@ -82,8 +82,8 @@ def test_revin_needs_a_channel_for_each_output():
 def _cfg(tmp_path, out, **kw):
     model = InformerConfig(**TINY, dropout=kw.pop("dropout", 0.1), distil=kw.pop("distil", True),
                            enc_attn=kw.pop("attn", "prob_sparse"), dec_self_attn="prob_sparse")
-    return TrainConfig(data=str(_csv(tmp_path)), model=model, batch_size=8, epochs=2, max_steps=5,
-                       out=str(tmp_path / out), **kw)
+    return TrainConfig(data=str(_csv(tmp_path)), model=model, batch_size=8, epochs=kw.pop("epochs", 2),
+                       max_steps=5, out=str(tmp_path / out), **kw)
 
 
 def _same_weights(tmp_path, a: str, b: str) -> None:
@@ -118,14 +118,24 @@ def test_resume_continues_exactly(tmp_path):
     assert not list((tmp_path / "b").glob("*.tmp"))
 
 
-def test_resume_without_checkpoint_or_with_other_options_is_refused(tmp_path):
+def test_resume_without_checkpoint_or_with_other_options_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no checkpoint"):
         train(_cfg(tmp_path, "none", resume=True))
     with pytest.raises(ValueError, match="must be >= 1"):
         _cfg(tmp_path, "none", stop_after_steps=0)
+    with pytest.raises(ValueError, match="checkpoint_every_s must be >= 0"):
+        _cfg(tmp_path, "none", checkpoint_every_s=float("nan"))
     train(_cfg(tmp_path, "c", stop_after_epochs=1))
     with pytest.raises(ValueError, match="different run .*lr: saved 0.0001, now 0.001"):
         train(_cfg(tmp_path, "c", resume=True, lr=1e-3))
+    # Within epoch 2, resumed with epochs=1: the partial epoch would be dropped without a word.
+    train(_cfg(tmp_path, "c", resume=True, stop_after_steps=2))
+    with pytest.raises(ValueError, match="within epoch 2, which epochs=1"):
+        train(_cfg(tmp_path, "c", resume=True, epochs=1))
+    # Under torchrun a stop within an epoch would leave nothing to resume from.
+    monkeypatch.setattr(sys.modules[TrainConfig.__module__], "_distributed", lambda: (0, 2))
+    with pytest.raises(ValueError, match="stop_after_steps needs a single process"):
+        train(_cfg(tmp_path, "d", stop_after_steps=2))
 
 
 def test_cli_smoke_on_shipped_etth1(tmp_path, capsys):

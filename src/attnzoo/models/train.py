@@ -63,7 +63,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.batch_size < 1 or self.epochs < 1 or self.patience < 1 or self.lr <= 0:
             raise ValueError("batch_size, epochs and patience must be >= 1 and lr > 0")
-        if self.checkpoint_every_s < 0:
+        if not self.checkpoint_every_s >= 0:  # also refuses NaN, which would never checkpoint
             raise ValueError("checkpoint_every_s must be >= 0")
         if any(n is not None and n < 1 for n in (self.stop_after_epochs, self.stop_after_steps)):
             raise ValueError("stop_after_epochs and stop_after_steps must be >= 1")
@@ -139,10 +139,20 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_atomic(obj, path: Path) -> None:
-    """torch.save to a temporary file beside ``path``, then rename: never a half-written file."""
+    """torch.save to a temporary file beside ``path``, flushed to disk, then renamed: neither a
+    killed process nor a crashed machine leaves a half-written file in place of the last good one."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    if hasattr(os, "O_DIRECTORY"):  # the rename itself, where the OS lets a folder be synced
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 # What may change between an interrupted run and its resumption.
@@ -181,6 +191,9 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
     """Train, early-stop, test; returns the metrics (also written to ``out/metrics.json``)."""
     callbacks = callbacks or Callbacks()
     rank, world = _distributed()
+    if world > 1 and cfg.stop_after_steps is not None:
+        raise ValueError("stop_after_steps needs a single process: under torchrun there is no "
+                         "checkpoint within an epoch to resume from (use stop_after_epochs)")
     device = _device(rank)
     out = Path(cfg.out)
     if rank == 0:
@@ -221,6 +234,10 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         if state["batches_done"] and ckpt.get("world", 1) != world:
             raise ValueError(f"--resume: the checkpoint was written within an epoch by "
                              f"{ckpt.get('world', 1)} process(es); resume it with as many, not {world}")
+        if state["batches_done"] and (state["epoch"] >= cfg.epochs or state["bad_epochs"] >= cfg.patience):
+            raise ValueError(f"--resume: the checkpoint is within epoch {state['epoch'] + 1}, which "
+                             f"epochs={cfg.epochs} and patience={cfg.patience} would not finish; "
+                             f"resume with the interrupted run's epochs and patience")
 
     def checkpoint(rng: list) -> None:
         save_atomic({"model": _bare(model).state_dict(), "optimiser": optimiser.state_dict(),
@@ -248,8 +265,9 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
-            state["loss_sum"] += loss.item()
-            callbacks.on_batch(step, loss.item())
+            value = loss.item()
+            state["loss_sum"] += value
+            callbacks.on_batch(step, value)
             steps_run += 1
             now = time.perf_counter()
             # Within an epoch: a checkpoint every checkpoint_every_s (single process), and the stop
@@ -259,7 +277,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                 state["batches_done"], state["seconds"] = step + 1, state["seconds"] + now - started
                 started = now
                 checkpoint([_rng_state()])
-            if stop and step + 1 < n_batches:  # under torchrun: --resume goes back to the epoch's start
+            if stop and step + 1 < n_batches:
                 return {"stopped_after_step": steps_run, "history": state["history"]}
         scheduler.step()
         val = evaluate(model, val_loader, device)["mse"]
@@ -272,8 +290,8 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                   "seconds": state["seconds"] + time.perf_counter() - started}
         state["history"].append(record)
         state.update(within)
-        rng = [None] * world
         if world > 1:
+            rng = [None] * world
             dist.all_gather_object(rng, _rng_state())
         else:
             rng = [_rng_state()]
