@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -218,8 +219,23 @@ def swap_table(runs: Path, rows: dict[tuple, dict]) -> list[str]:
                 continue
             tables.append(f"| {mech} | {r['mse']:.3f} | {r['mse'] / full:.2f} | {own} | "
                           f"{'; '.join(r['notes'])} |")
-        tables.append("")
+        tables += ["", _swap_verdict(found), ""]
     return tables
+
+
+def _swap_verdict(found: dict) -> str:
+    """One sentence on which mechanisms keep the trained model's accuracy when swapped in."""
+    full = found["full"]["mse"]
+    ratio = {m: r["mse"] / full for m, r in found.items() if m != "full" and "mse" in r}
+
+    def within(lo: float, hi: float) -> list[str]:
+        return [m for m, x in ratio.items() if lo < x <= hi]
+
+    groups = [("keep the trained model's accuracy (test MSE at most 10 % above full's)", within(0, 1.1)),
+              ("lose some of it (10–50 % above)", within(1.1, 1.5)),
+              ("need training with them (more than 1.5× full's)", within(1.5, math.inf))]
+    return "Swapped in without retraining, " + "; ".join(
+        f"{', '.join(ms)} {what}" for what, ms in groups if ms) + "."
 
 
 # --- the report --------------------------------------------------------------------------------
