@@ -199,6 +199,7 @@ def swap(runs: Path, run: Run) -> Path:
                               seq_len=run.seq_len, label_len=run.label_len, pred_len=run.pred_len)
     test = DataLoader(data.test, batch_size=32)
     weights = torch.load(runs / run.name / "best.pt", weights_only=True)
+    own = trained["test"]["mse"]
     for mech in todo:  # full first: it must give the run's own test metrics again
         cfg, notes = swapped(trained["model"], mech)
         torch.manual_seed(trained["seed"])  # linformer's untrained projections: the same every time
@@ -217,7 +218,6 @@ def swap(runs: Path, run: Run) -> Path:
             if mech == "full":  # ... except the baseline's: there is nothing to compare with
                 raise
             found[mech] = {"error": f"{type(e).__name__}: {e}", "notes": notes}
-        own = trained["test"]["mse"]
         if mech == "full" and abs(found[mech]["mse"] - own) > 1e-6 * own:
             raise RuntimeError(f"{run.name}: the reloaded model does not give its own test MSE "
                                f"({found[mech]['mse']} against {own})")
