@@ -333,6 +333,43 @@ def protocol_table(rows: dict[tuple, dict], revin: bool) -> list[str]:
     return lines
 
 
+def protocol_verdict(rows: dict[tuple, dict]) -> str:
+    """Sentences on where the runs stand against the paper's rows and S4, horizon by horizon."""
+    sentences = []
+    for mech, paper in zip(PAIR, PAPER, strict=True):
+        found = {h: r for h in HORIZONS if (r := rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)))}
+        if found:
+            sentences.append(f"{mech} against {paper} in the paper (MSE, the change from the paper's): "
+                             + "; ".join(f"horizon {h} {r['mse']:.3f} against {PAPER[paper][h][0]:.3f} "
+                                         f"({r['mse'] / PAPER[paper][h][0] - 1:+.0%})"
+                                         for h, r in found.items()) + ".")
+    for h in HORIZONS:  # any mechanism, input length or RevIN
+        at_h = [r for r in rows.values() if r["pred_len"] == h]
+        if at_h:
+            best = min(at_h, key=lambda r: r["mse"])
+            sentences.append(
+                f"The best here at horizon {h}: {best['mechanism']}{' with RevIN' if best['revin'] else ''}"
+                f" at a {best['seq_len']}-step input, {best['mse']:.3f}, {best['mse'] / S4[h]:.2f}× S4's "
+                f"{S4[h]:.3f}.")
+    return " ".join(sentences)
+
+
+def grid_pace(runs: Path) -> str:
+    """What an epoch and a run of the protocol's 720-step runs took, measured."""
+    done = [m for run in grid() if run.seq_len == SEQ_LEN and (m := metrics(runs, run))
+            and m.get("seconds_per_epoch")]
+    if not done:
+        return ""
+    epoch = [m["seconds_per_epoch"] / 60 for m in done]
+    run = [m["seconds_per_epoch"] * m["epochs_run"] / 60 for m in done]
+    def span(xs: list[float]) -> str:
+        lo, hi = f"{min(xs):.0f}", f"{max(xs):.0f}"
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    return (f"Measured over the {len(done)} finished runs at a 720-step input, each beside another on "
+            f"the other core: {span(epoch)} minutes an epoch, {span(run)} minutes a run. ")
+
+
 def length_table(rows: dict[tuple, dict]) -> list[str]:
     lines = ["| mechanism | input | test MSE | test MAE | s / epoch | peak memory (MiB) |",
              "|---|---|---|---|---|---|"]
@@ -405,9 +442,8 @@ def report(runs: Path, docs: Path) -> None:
         "paper's 512, 8 and 2048. Measured on this 2-core machine (one training step of 32 windows, "
         "prob_sparse, 720-step input, horizon 168): the paper's width 13.0 s on 2 threads (about an hour "
         "an epoch of ~250 steps, 6 hours a run, 70 hours for the 12 runs of prob_sparse and full); "
-        "d_model 256 6.9 s and d_model 128 2.7 s on one thread each, two runs side by side; at d_model "
-        "128 an epoch of the grid takes 10–11 minutes and a run about an hour. The narrower model is "
-        "the widest at which the grid fits in days, not weeks.",
+        "d_model 256 6.9 s and d_model 128 2.7 s on one thread each, two runs side by side. "
+        f"{grid_pace(runs)}The narrower model is the widest at which the grid fits in days, not weeks.",
         "",
         f"Every run: `attnzoo {' '.join(['forecast', config])} --seq-len N --label-len M --pred-len H "
         "--attn MECH [--revin] --seed S`; the exact command of each cell is in results.json. "
@@ -415,7 +451,7 @@ def report(runs: Path, docs: Path) -> None:
         *([] if finished == len(grid()) else [
             f"**The grid is still training: {finished} of its {len(grid())} runs have finished** "
             "(`benchmarks/forecast_results.py --list` shows which); a cell without a run reads —.", ""]),
-        "## The protocol table", "", *protocol_table(rows, False), "",
+        "## The protocol table", "", *protocol_table(rows, False), "", protocol_verdict(rows), "",
         "## With RevIN", "",
         "`--revin`: each input window normalised by its own mean and deviation (with a learnt affine), "
         "the forecast mapped back (Kim et al., ICLR 2022).", "",

@@ -1,0 +1,120 @@
+"""benchmarks/forecast_results.py: the grid's runs, and the report built from finished runs.
+
+The runs themselves take hours; these tests write their metrics.json by hand and check what the
+report makes of them.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("forecast_results", ROOT / "benchmarks" / "forecast_results.py")
+fr = importlib.util.module_from_spec(spec)
+sys.modules["forecast_results"] = fr  # dataclasses look their module up
+spec.loader.exec_module(fr)
+
+
+def finish(runs: Path, run, mse: float, mae: float = 0.2, seconds: float = 600.0, epochs: int = 5,
+           peak: float = 1500.0) -> None:
+    """Write the metrics.json a finished run leaves."""
+    out = runs / run.name
+    out.mkdir(parents=True)
+    (out / "metrics.json").write_text(json.dumps({
+        "test": {"mse": mse, "mae": mae}, "epochs_run": epochs, "seconds_per_epoch": seconds,
+        "peak_rss_mib": peak}))
+
+
+def protocol(mech: str, h: int, seed: int = 0, revin: bool = False):
+    return fr.Run(mech, fr.SEQ_LEN, fr.LABEL_LEN[h], h, seed, revin)
+
+
+def test_grid_is_every_run_once_in_order_of_priority():
+    runs = fr.grid()
+    assert len(runs) == len(set(runs)) == len({r.name for r in runs}) == 48
+    assert runs[:12] == fr.pair(False)  # the protocol pair, every seed, first
+    assert {r.seed for r in runs if r.mech in fr.PAIR and not r.revin and r.seq_len == fr.SEQ_LEN} == {0, 1}
+    study = [r for r in runs if r.pred_len == 168 and r.mech in fr.LENGTH_MECHANISMS and not r.revin
+             and r.seed == 0]
+    assert {(r.mech, r.seq_len) for r in study} == {(m, n) for m in fr.LENGTH_MECHANISMS for n in fr.LENGTHS}
+
+
+def test_run_command_is_the_protocol():
+    args = protocol("prob_sparse", 168, seed=1, revin=True).args()
+    joined = " ".join(args)
+    assert joined.startswith("forecast --features S --target OT")
+    assert "--seq-len 720 --label-len 336 --pred-len 168 --attn prob_sparse --revin --seed 1" in joined
+    assert "--revin" not in " ".join(protocol("full", 24).args())
+
+
+def test_summary_means_seeds_and_gives_half_their_range(tmp_path):
+    finish(tmp_path, protocol("full", 24, 0), 0.06, mae=0.2, seconds=600, epochs=6, peak=1400)
+    finish(tmp_path, protocol("full", 24, 1), 0.08, mae=0.3, seconds=800, epochs=4, peak=1600)
+    (row,) = [fr.summary(done) for done in fr.cells(tmp_path, fr.grid()).values()]
+    assert row["mse"] == pytest.approx(0.07) and row["mae"] == pytest.approx(0.25)
+    assert row["mse_spread"] == pytest.approx(0.01) and row["seeds"] == [0, 1]
+    assert row["epochs"] == 5 and row["seconds_per_epoch"] == 700 and row["peak_rss_mib"] == 1600
+    assert row["command"].endswith("--attn full --seed {seed}") and row["d_model"] == fr.WIDTH["d_model"]
+    assert fr._fmt(row, "mse") == "0.070 ± 0.010" and fr._fmt(row, "mae") == "0.250"
+
+
+def test_report_writes_tables_verdict_json_and_picture(tmp_path):
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    docs.mkdir()
+    finish(runs, protocol("prob_sparse", 24, 0), 0.090)
+    finish(runs, protocol("prob_sparse", 24, 1), 0.080)
+    finish(runs, protocol("full", 24, 0), 0.100)
+    finish(runs, protocol("full", 168, 0, revin=True), 0.095)
+    for n, mse in [(96, 0.2), (336, 0.15)]:
+        finish(runs, fr.Run("linear", n, fr.LENGTH_LABEL[n], 168, 0), mse, seconds=n)
+    fr.report(runs, docs)
+
+    md = (docs / "results.md").read_text()
+    assert "6 of its 48 runs have finished" in md
+    assert "| prob_sparse | 0.085 ± 0.005 | 0.200 | — |" in md
+    assert "| full | — | — | — | — | 0.095 (1 seed) | 0.200 | 5.0 |" in md  # the RevIN table
+    assert "| linear | 336 | 0.150 (1 seed) | 0.200 | 336 | 1500 |" in md
+    assert "horizon 24 0.085 against 0.098 (-13%)" in md  # prob_sparse below the paper
+    assert "horizon 24 0.100 against 0.092 (+9%)" in md  # full above it
+    assert "The best here at horizon 24: prob_sparse at a 720-step input, 0.085, 1.39× S4's 0.061" in md
+    assert "The best here at horizon 168: full with RevIN at a 720-step input, 0.095" in md
+    assert "4 finished runs at a 720-step input" in md and ": 10 minutes an epoch, 50 minutes a run" in md
+    assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
+
+    rows = json.loads((docs / "results.json").read_text())
+    assert len(rows) == 5
+    keys = {"mechanism", "seq_len", "label_len", "pred_len", "features", "revin", "mse", "mae", "mse_spread",
+            "seeds", "epochs", "seconds_per_epoch", "d_model", "n_heads", "d_ff", "command"}
+    assert all(keys <= set(r) for r in rows)
+
+
+def test_report_without_runs_says_so(tmp_path):
+    fr.report(tmp_path / "runs", tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "0 of its 48 runs have finished" in md and "None yet" in md
+    assert not (tmp_path / fr.PICTURE).exists()
+
+
+def test_swapped_config_and_notes():
+    model = {"enc_attn": "full", "enc_options": {}, "dec_self_attn": "full", "dec_self_options": {},
+             "seq_len": 720}
+    cfg, notes = fr.swapped(model, "prob_sparse")
+    assert cfg["enc_attn"] == cfg["dec_self_attn"] == "prob_sparse" and notes == []
+    cfg, notes = fr.swapped(model, "linformer")
+    assert cfg["dec_self_attn"] == "full" and cfg["enc_options"] == {"max_len": 720}
+    assert notes == ["encoder only (not causal)", "its length projections untrained"]
+    assert fr.swapped(model, "full") == (model, [])
+
+
+def test_swap_verdict_groups_by_ratio_and_reads_the_baseline():
+    found = {"full": {"mse": 1.0}, "a": {"mse": 1.05}, "b": {"mse": 1.5}, "c": {"mse": 2.0},
+             "d": {"error": "ValueError: x"}}
+    assert fr._swap_verdict(found) == (
+        "Swapped in without retraining: at most 10 % above full's test MSE, the trained model's accuracy "
+        "kept: a; 10–50 % above, some of it lost: b; more than 1.5× full's, a mechanism to train with "
+        "rather than swap in: c.")
+    assert "barely uses" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.02}})
+    assert "better than no attention" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.8}})
