@@ -362,6 +362,7 @@ def grid_pace(runs: Path) -> str:
         return ""
     epoch = [m["seconds_per_epoch"] / 60 for m in done]
     run = [m["seconds_per_epoch"] * m["epochs_run"] / 60 for m in done]
+
     def span(xs: list[float]) -> str:
         lo, hi = f"{min(xs):.0f}", f"{max(xs):.0f}"
         return lo if lo == hi else f"{lo}–{hi}"
