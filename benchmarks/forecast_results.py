@@ -273,10 +273,12 @@ def _swap_verdict(found: dict) -> str:
         return verdict
     avg = found[AVERAGE]["mse"] / full
     if avg <= 1.1:
-        return verdict + (f" But the plain average is itself {avg:.2f}× full's: this forecaster barely uses "
-                          "what its self-attention computes, so keeping its accuracy here says little "
-                          "about how close a mechanism comes to full attention; the large ratios are the "
-                          "informative ones.")
+        lower = (", lower than full's own: on this test split what its self-attention computes does not "
+                 "help this forecaster at all" if avg < 0.95 else
+                 ": this forecaster barely uses what its self-attention computes")
+        return verdict + (f" But the plain average is itself {avg:.2f}× full's{lower}, so keeping its "
+                          "accuracy here says little about how close a mechanism comes to full attention; "
+                          "the large ratios are the informative ones.")
     return verdict + (f" The plain average is {avg:.2f}× full's: a mechanism below that does better "
                       "than no attention at all.")
 

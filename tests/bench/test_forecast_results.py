@@ -117,4 +117,5 @@ def test_swap_verdict_groups_by_ratio_and_reads_the_baseline():
         "kept: a; 10–50 % above, some of it lost: b; more than 1.5× full's, a mechanism to train with "
         "rather than swap in: c.")
     assert "barely uses" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.02}})
+    assert "lower than full's own" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 0.85}})
     assert "better than no attention" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.8}})
