@@ -307,6 +307,16 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except where the help states it already or the
+    default says nothing (None, empty, off)."""
+
+    def _get_help_string(self, action):
+        if "(default:" in (action.help or "") or action.default in (None, "", [], False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -314,15 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_list.set_defaults(run=cmd_list)
 
     p_bench = sub.add_parser("bench", help="time, memory, FLOPs and error of each mechanism by length",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             formatter_class=_Help)
     p_bench.add_argument("--mechanisms", nargs="+", default=[],
                          help="names, comma- or space-separated (default: all)")
     p_bench.add_argument("--lengths", nargs="+", type=_int_list, default=None,
                          help="sequence lengths, e.g. 1024,2048 or 1024 2048 (default: 1024 2048 4096 8192)")
-    p_bench.add_argument("--batch", type=int, default=1)
-    p_bench.add_argument("--heads", type=int, default=8)
-    p_bench.add_argument("--head-dim", type=int, default=64)
-    p_bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p_bench.add_argument("--batch", type=int, default=1, help="batch size B of q, k, v")
+    p_bench.add_argument("--heads", type=int, default=8, help="heads H")
+    p_bench.add_argument("--head-dim", type=int, default=64, help="head dimension D")
+    p_bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
+                         help="dtype of q, k and v")
     p_bench.add_argument("--causal", action="store_true", help="causal attention")
     p_bench.add_argument("--backward", action="store_true", help="time forward + backward")
     p_bench.add_argument("--repeats", type=int, default=3, help="timed calls per cell")
@@ -337,10 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.set_defaults(run=cmd_bench)
 
     p_pat = sub.add_parser("patterns", help="PNG grids of each mechanism's connectivity and weights",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_Help)
     p_pat.add_argument("--mechanisms", nargs="+", default=[],
                        help="names, comma- or space-separated (default: all)")
-    p_pat.add_argument("--length", type=int, default=64)
+    p_pat.add_argument("--length", type=int, default=64, help="sequence length drawn")
     p_pat.add_argument("--non-causal", action="store_true", help="draw the non-causal variants")
     p_pat.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p_pat.add_argument("--option", action="append", default=[], metavar="MECH.OPT=VALUE",
@@ -349,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_pat.set_defaults(run=cmd_patterns)
 
     p_rec = sub.add_parser("recommend", help="the fastest mechanism within an error at a length",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_Help)
     p_rec.add_argument("--length", type=int, required=True, help="sequence length L")
     p_rec.add_argument("--causal", action="store_true", help="causal attention")
     p_rec.add_argument("--key-mask", action="store_true", help="the calls pass a key mask (padding)")
@@ -362,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_rec.set_defaults(run=cmd_recommend)
 
     p_fc = sub.add_parser("forecast", help="train and test the Informer-style forecaster (ETTh1 default)",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=_Help)
     add = p_fc.add_argument
     add("--data", default="", help="CSV with a date column (empty: the shipped ETTh1)")
     add("--target", default="OT", help="the column to forecast")
