@@ -335,16 +335,21 @@ def protocol_table(rows: dict[tuple, dict], revin: bool) -> list[str]:
     return lines
 
 
+def _against(ours: float, theirs: float) -> str:
+    return f"{ours:.3f} against {theirs:.3f} ({ours / theirs - 1:+.0%})"
+
+
 def protocol_verdict(rows: dict[tuple, dict]) -> str:
     """Sentences on where the runs stand against the paper's rows and S4, horizon by horizon."""
     sentences = []
     for mech, paper in zip(PAIR, PAPER, strict=True):
         found = {h: r for h in HORIZONS if (r := rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)))}
         if found:
-            sentences.append(f"{mech} against {paper} in the paper (MSE, the change from the paper's): "
-                             + "; ".join(f"horizon {h} {r['mse']:.3f} against {PAPER[paper][h][0]:.3f} "
-                                         f"({r['mse'] / PAPER[paper][h][0] - 1:+.0%})"
-                                         for h, r in found.items()) + ".")
+            marks = PAPER[paper]
+            each = [f"horizon {h} MSE {_against(r['mse'], marks[h][0])}, MAE {_against(r['mae'], marks[h][1])}"
+                    for h, r in found.items()]
+            sentences.append(f"{mech} against {paper} in the paper (the change from the paper's): "
+                             f"{'; '.join(each)}.")
     for h in HORIZONS:  # any mechanism, input length or RevIN
         at_h = [r for r in rows.values() if r["pred_len"] == h]
         if at_h:

@@ -77,8 +77,9 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     assert "| prob_sparse | 0.085 ± 0.005 | 0.200 | — |" in md
     assert "| full | — | — | — | — | 0.095 (1 seed) | 0.200 | 5.0 |" in md  # the RevIN table
     assert "| linear | 336 | 0.150 (1 seed) | 0.200 | 336 | 1500 |" in md
-    assert "horizon 24 0.085 against 0.098 (-13%)" in md  # prob_sparse below the paper
-    assert "horizon 24 0.100 against 0.092 (+9%)" in md  # full above it
+    # prob_sparse below the paper
+    assert "horizon 24 MSE 0.085 against 0.098 (-13%), MAE 0.200 against 0.247 (-19%)" in md
+    assert "horizon 24 MSE 0.100 against 0.092 (+9%)" in md  # full above it
     assert "The best here at horizon 24: prob_sparse at a 720-step input, 0.085, 1.39× S4's 0.061" in md
     assert "The best here at horizon 168: full with RevIN at a 720-step input, 0.095" in md
     assert "4 finished runs at a 720-step input" in md and ": 10 minutes an epoch, 50 minutes a run" in md
