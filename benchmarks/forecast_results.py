@@ -346,7 +346,8 @@ def protocol_verdict(rows: dict[tuple, dict]) -> str:
         found = {h: r for h in HORIZONS if (r := rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)))}
         if found:
             marks = PAPER[paper]
-            each = [f"horizon {h} MSE {_against(r['mse'], marks[h][0])}, MAE {_against(r['mae'], marks[h][1])}"
+            each = [f"horizon {h} MSE {_against(r['mse'], marks[h][0])}, "
+                    f"MAE {_against(r['mae'], marks[h][1])}"
                     for h, r in found.items()]
             sentences.append(f"{mech} against {paper} in the paper (the change from the paper's): "
                              f"{'; '.join(each)}.")
