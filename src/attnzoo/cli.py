@@ -312,7 +312,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     default says nothing (None, empty, off)."""
 
     def _get_help_string(self, action):
-        if "(default:" in (action.help or "") or action.default in (None, "", [], False):
+        says_nothing = action.default is None or action.default is False or action.default in ("", [])
+        if "(default:" in (action.help or "") or says_nothing:  # (not `in (None, False)`: 0 == False)
             return action.help
         return super()._get_help_string(action)
 
