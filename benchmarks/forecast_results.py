@@ -53,6 +53,7 @@ CONFIG = ["--features", "S", "--target", "OT", "--d-model", str(WIDTH["d_model"]
 # Informer (Zhou et al., AAAI 2021), Table 1, ETTh1 univariate: (MSE, MAE) at each horizon.
 PAPER = {"Informer (prob_sparse)": {24: (0.098, 0.247), 48: (0.158, 0.319), 168: (0.183, 0.346)},
          "Informer with full attention": {24: (0.092, 0.246), 48: (0.161, 0.322), 168: (0.187, 0.355)}}
+PAPER_ROW = {"prob_sparse": "Informer (prob_sparse)", "full": "Informer with full attention"}  # of PAIR
 # The best published univariate ETTh1 results at these horizons (S4, Gu et al., ICLR 2022): MSE.
 S4 = {24: 0.061, 48: 0.079, 168: 0.104}
 PICTURE = "img/input_length.png"  # under docs/
@@ -267,16 +268,18 @@ def _swap_verdict(found: dict) -> str:
     groups = [("at most 10 % above full's test MSE, the trained model's accuracy kept", within(0, 1.1)),
               ("10–50 % above, some of it lost", within(1.1, 1.5)),
               ("more than 1.5× full's, a mechanism to train with rather than swap in", within(1.5, math.inf))]
+    if not ratio:
+        return "No mechanism could be swapped in (the table gives each one's error)."
     verdict = "Swapped in without retraining: " + "; ".join(
         f"{what}: {', '.join(ms)}" for what, ms in groups if ms) + "."
     if "mse" not in found.get(AVERAGE, {}):
         return verdict
     avg = found[AVERAGE]["mse"] / full
     if avg <= 1.1:
-        lower = (", lower than full's own: on this test split what its self-attention computes does not "
-                 "help this forecaster at all" if avg < 0.95 else
-                 ": this forecaster barely uses what its self-attention computes")
-        return verdict + (f" But the plain average is itself {avg:.2f}× full's{lower}, so keeping its "
+        reading = (" (better than full itself): on this test split what its self-attention computes does "
+                   "not help this forecaster at all" if avg < 0.95 else
+                   ": this forecaster barely uses what its self-attention computes")
+        return verdict + (f" But the plain average is itself {avg:.2f}× full's{reading}, so keeping its "
                           "accuracy here says little about how close a mechanism comes to full attention; "
                           "the large ratios are the informative ones.")
     return verdict + (f" The plain average is {avg:.2f}× full's: a mechanism below that does better "
@@ -314,7 +317,7 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
 def _fmt(row: dict | None, key: str) -> str:
     if row is None:
         return "—"
-    seeds = f" ({len(row['seeds'])} seed)" if len(row["seeds"]) == 1 else ""
+    seeds = _seeds(row)
     spread = f" ± {row['mse_spread']:.3f}" if key == "mse" and len(row["seeds"]) > 1 else ""
     return f"{row[key]:.3f}{spread}{seeds if key == 'mse' else ''}"
 
@@ -335,6 +338,10 @@ def protocol_table(rows: dict[tuple, dict], revin: bool) -> list[str]:
     return lines
 
 
+def _seeds(row: dict) -> str:
+    return " (1 seed)" if len(row["seeds"]) == 1 else ""
+
+
 def _against(ours: float, theirs: float) -> str:
     return f"{ours:.3f} against {theirs:.3f} ({ours / theirs - 1:+.0%})"
 
@@ -342,41 +349,42 @@ def _against(ours: float, theirs: float) -> str:
 def protocol_verdict(rows: dict[tuple, dict]) -> str:
     """Sentences on where the runs stand against the paper's rows and S4, horizon by horizon."""
     sentences = []
-    for mech, paper in zip(PAIR, PAPER, strict=True):
+    for mech, paper in PAPER_ROW.items():
         found = {h: r for h in HORIZONS if (r := rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)))}
         if found:
             marks = PAPER[paper]
             each = [f"horizon {h} MSE {_against(r['mse'], marks[h][0])}, "
-                    f"MAE {_against(r['mae'], marks[h][1])}"
+                    f"MAE {_against(r['mae'], marks[h][1])}{_seeds(r)}"
                     for h, r in found.items()]
             sentences.append(f"{mech} against {paper} in the paper (the change from the paper's): "
                              f"{'; '.join(each)}.")
-    for h in HORIZONS:  # any mechanism, input length or RevIN
+    for h in HORIZONS:  # any table of this page: any mechanism, input length or RevIN
         at_h = [r for r in rows.values() if r["pred_len"] == h]
         if at_h:
             best = min(at_h, key=lambda r: r["mse"])
             sentences.append(
-                f"The best here at horizon {h}: {best['mechanism']}{' with RevIN' if best['revin'] else ''}"
-                f" at a {best['seq_len']}-step input, {best['mse']:.3f}, {best['mse'] / S4[h]:.2f}× S4's "
-                f"{S4[h]:.3f}.")
+                f"The best on this page at horizon {h}: {best['mechanism']}"
+                f"{' with RevIN' if best['revin'] else ''} at a {best['seq_len']}-step input, "
+                f"{best['mse']:.3f}{_seeds(best)}, {best['mse'] / S4[h]:.2f}× S4's {S4[h]:.3f}.")
     return " ".join(sentences)
 
 
-def grid_pace(runs: Path) -> str:
-    """What an epoch and a run of the protocol's 720-step runs took, measured."""
-    done = [m for run in grid() if run.seq_len == SEQ_LEN and (m := metrics(runs, run))
-            and m.get("seconds_per_epoch")]
+def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
+    """What an epoch and a run of the protocol's 720-step runs took, measured (``found``: :func:`cells`)."""
+    done = [m for cell in found.values() for run, m in cell
+            if run.seq_len == SEQ_LEN and m.get("seconds_per_epoch")]
     if not done:
         return ""
-    epoch = [m["seconds_per_epoch"] / 60 for m in done]
-    run = [m["seconds_per_epoch"] * m["epochs_run"] / 60 for m in done]
+    per_epoch_min = [m["seconds_per_epoch"] / 60 for m in done]
+    per_run_min = [m["seconds_per_epoch"] * m["epochs_run"] / 60 for m in done]
 
     def span(xs: list[float]) -> str:
         lo, hi = f"{min(xs):.0f}", f"{max(xs):.0f}"
         return lo if lo == hi else f"{lo}–{hi}"
 
-    return (f"Measured over the {len(done)} finished runs at a 720-step input, each beside another on "
-            f"the other core: {span(epoch)} minutes an epoch, {span(run)} minutes a run. ")
+    runs = "1 finished run" if len(done) == 1 else f"{len(done)} finished runs"
+    return (f"Measured over the {runs} at a 720-step input, two runs side by side: "
+            f"{span(per_epoch_min)} minutes an epoch, {span(per_run_min)} minutes a run. ")
 
 
 def length_table(rows: dict[tuple, dict]) -> list[str]:
@@ -431,8 +439,9 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
 
 
 def report(runs: Path, docs: Path) -> None:
-    rows = {cell: summary(done) for cell, done in cells(runs, grid()).items()}
-    finished = sum(metrics(runs, run) is not None for run in grid())
+    found = cells(runs, grid())
+    rows = {cell: summary(done) for cell, done in found.items()}
+    finished = sum(len(done) for done in found.values())
     (docs / "results.json").write_text(json.dumps(sorted(rows.values(), key=lambda r: (
         r["revin"], r["pred_len"], r["seq_len"], r["mechanism"])), indent=1) + "\n")
     pictured = plot_lengths(rows, docs / PICTURE)
@@ -452,7 +461,7 @@ def report(runs: Path, docs: Path) -> None:
         "prob_sparse, 720-step input, horizon 168): the paper's width 13.0 s on 2 threads (about an hour "
         "an epoch of ~250 steps, 6 hours a run, 70 hours for the 12 runs of prob_sparse and full); "
         "d_model 256 6.9 s and d_model 128 2.7 s on one thread each, two runs side by side. "
-        f"{grid_pace(runs)}The narrower model is the widest at which the grid fits in days, not weeks.",
+        f"{grid_pace(found)}The narrower model is the widest at which the grid fits in days, not weeks.",
         "",
         f"Every run: `attnzoo {' '.join(['forecast', config])} --seq-len N --label-len M --pred-len H "
         "--attn MECH [--revin] --seed S`; the exact command of each cell is in results.json. "
@@ -460,7 +469,8 @@ def report(runs: Path, docs: Path) -> None:
         *([] if finished == len(grid()) else [
             f"**The grid is still training: {finished} of its {len(grid())} runs have finished** "
             "(`benchmarks/forecast_results.py --list` shows which); a cell without a run reads —.", ""]),
-        "## The protocol table", "", *protocol_table(rows, False), "", protocol_verdict(rows), "",
+        "## The protocol table", "", *protocol_table(rows, False), "",
+        *([verdict, ""] if (verdict := protocol_verdict(rows)) else []),
         "## With RevIN", "",
         "`--revin`: each input window normalised by its own mean and deviation (with a learnt affine), "
         "the forecast mapped back (Kim et al., ICLR 2022).", "",

@@ -66,7 +66,7 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     docs.mkdir()
     finish(runs, protocol("prob_sparse", 24, 0), 0.090)
     finish(runs, protocol("prob_sparse", 24, 1), 0.080)
-    finish(runs, protocol("full", 24, 0), 0.100)
+    finish(runs, protocol("full", 24, 0), 0.100, seconds=1200, epochs=3)
     finish(runs, protocol("full", 168, 0, revin=True), 0.095)
     for n, mse in [(96, 0.2), (336, 0.15)]:
         finish(runs, fr.Run("linear", n, fr.LENGTH_LABEL[n], 168, 0), mse, seconds=n)
@@ -79,10 +79,10 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     assert "| linear | 336 | 0.150 (1 seed) | 0.200 | 336 | 1500 |" in md
     # prob_sparse below the paper
     assert "horizon 24 MSE 0.085 against 0.098 (-13%), MAE 0.200 against 0.247 (-19%)" in md
-    assert "horizon 24 MSE 0.100 against 0.092 (+9%)" in md  # full above it
-    assert "The best here at horizon 24: prob_sparse at a 720-step input, 0.085, 1.39× S4's 0.061" in md
-    assert "The best here at horizon 168: full with RevIN at a 720-step input, 0.095" in md
-    assert "4 finished runs at a 720-step input" in md and ": 10 minutes an epoch, 50 minutes a run" in md
+    assert "horizon 24 MSE 0.100 against 0.092 (+9%), MAE 0.200 against 0.246 (-19%) (1 seed)" in md
+    assert "best on this page at horizon 24: prob_sparse at a 720-step input, 0.085, 1.39× S4's 0.061" in md
+    assert "The best on this page at horizon 168: full with RevIN at a 720-step input, 0.095 (1 seed)" in md
+    assert "4 finished runs at a 720-step input, two runs side by side: 10–20 minutes an epoch, 50–60 " in md
     assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
 
     rows = json.loads((docs / "results.json").read_text())
@@ -90,6 +90,13 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     keys = {"mechanism", "seq_len", "label_len", "pred_len", "features", "revin", "mse", "mae", "mse_spread",
             "seeds", "epochs", "seconds_per_epoch", "d_model", "n_heads", "d_ff", "command"}
     assert all(keys <= set(r) for r in rows)
+
+
+def test_pace_of_one_run(tmp_path):
+    finish(tmp_path, protocol("lsh", 48), 0.1, seconds=300, epochs=4)
+    assert fr.grid_pace(fr.cells(tmp_path, fr.grid())).startswith(
+        "Measured over the 1 finished run at a 720-step input, two runs side by side: 5 minutes an epoch, "
+        "20 minutes a run.")
 
 
 def test_report_without_runs_says_so(tmp_path):
@@ -118,5 +125,6 @@ def test_swap_verdict_groups_by_ratio_and_reads_the_baseline():
         "kept: a; 10–50 % above, some of it lost: b; more than 1.5× full's, a mechanism to train with "
         "rather than swap in: c.")
     assert "barely uses" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.02}})
-    assert "lower than full's own" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 0.85}})
+    assert "(better than full itself)" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 0.85}})
+    assert fr._swap_verdict({"full": {"mse": 1.0}, "d": {"error": "x"}}).startswith("No mechanism could")
     assert "better than no attention" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.8}})
