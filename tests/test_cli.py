@@ -36,4 +36,4 @@ def test_every_option_has_a_meaning_and_a_default_stated_once():
     forecast = " ".join(commands["forecast"].format_help().split())
     assert "horizon: steps to forecast (default: 24)" in forecast
     assert "training batches per epoch (default: all) --max-rows" in forecast
-    assert "torch threads (0: torch's default) (default: 0)" in forecast  # 0 is not "nothing"
+    assert "torch threads (0: as many as torch picks) (default: 0)" in forecast  # 0 is not "nothing"

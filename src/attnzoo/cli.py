@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="seeds the weights, the data order and the mechanisms' draws")
     add("--max-steps", type=int, default=None, help="training batches per epoch (default: all)")
     add("--max-rows", type=int, default=None, help="use only the first rows of the CSV (default: all)")
-    add("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add("--threads", type=int, default=0, help="torch threads (0: as many as torch picks)")
     add("--out", default="runs/forecast", help="folder for checkpoints, metrics.json and forecast.png")
     add("--resume", action="store_true", help="continue an interrupted run from OUT/checkpoint.pt")
     add("--checkpoint-every", type=float, default=600.0,
