@@ -369,6 +369,54 @@ def protocol_verdict(rows: dict[tuple, dict]) -> str:
     return " ".join(sentences)
 
 
+def _noise(rows: dict[tuple, dict]) -> float:
+    """The largest half-range over seeds of any cell with several: a difference below it is not read."""
+    return max((r["mse_spread"] for r in rows.values() if len(r["seeds"]) > 1), default=0.0)
+
+
+def _within(noise: float) -> str:
+    return f" by more than the seed spread ({noise:.3f})" if noise else ""
+
+
+def revin_verdict(rows: dict[tuple, dict]) -> str:
+    """How RevIN changes each cell's test MSE, and in how many it helps beyond the seeds' spread."""
+    both = [(mech, h, base, rev) for mech in PAIR + OTHERS for h in HORIZONS
+            if (base := rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)))
+            and (rev := rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, True)))]
+    if not both:
+        return ""
+    noise = _noise(rows)
+    lower = sum(rev["mse"] < base["mse"] - noise for *_, base, rev in both)
+    higher = sum(rev["mse"] > base["mse"] + noise for *_, base, rev in both)
+    each = "; ".join(f"{mech} at horizon {h} {base['mse']:.3f} → {rev['mse']:.3f} "
+                     f"({rev['mse'] / base['mse'] - 1:+.0%})" for mech, h, base, rev in both)
+    return (f"Test MSE without RevIN → with it: {each}. RevIN lowers it{_within(noise)} in {lower} of "
+            f"{len(both)} cells, raises it in {higher}, and leaves {len(both) - lower - higher} level.")
+
+
+def length_verdict(rows: dict[tuple, dict]) -> str:
+    """Per mechanism: its MSE at each input length, the shortest input as good as its best, and what
+    the longest input costs against the shortest."""
+    noise, sentences = _noise(rows), []
+    for mech in LENGTH_MECHANISMS:
+        found = [(n, r) for n in LENGTHS if (r := rows.get((mech, n, LENGTH_LABEL[n], 168, False)))]
+        if len(found) < 2:
+            continue
+        best = min(r["mse"] for _, r in found)
+        enough = min(n for n, r in found if r["mse"] <= best + noise)
+        (n0, first), (n1, last) = found[0], found[-1]
+        cost = [f"{what} ×{last[key] / first[key]:.1f}" for what, key in
+                (("time an epoch", "seconds_per_epoch"), ("peak memory", "peak_rss_mib"))
+                if first[key] and last[key]]
+        mses, lengths = (" / ".join(f"{r['mse']:.3f}" for _, r in found),
+                         " / ".join(str(n) for n, _ in found))
+        sentences.append(
+            f"{mech}: test MSE {mses} at {lengths} steps; "
+            f"{'the shortest input within the seed spread of its best' if noise else 'its best'}: "
+            f"{enough} steps" + (f"; from {n0} to {n1} steps, {' and '.join(cost)}." if cost else "."))
+    return " ".join(sentences)
+
+
 def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
     """What an epoch and a run of the protocol's 720-step runs took, measured (``found``: :func:`cells`)."""
     done = [m for cell in found.values() for run, m in cell
@@ -438,10 +486,15 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
     return True
 
 
+def _paragraph(text: str) -> list[str]:
+    return [text, ""] if text else []
+
+
 def report(runs: Path, docs: Path) -> None:
     found = cells(runs, grid())
     rows = {cell: summary(done) for cell, done in found.items()}
     finished = sum(len(done) for done in found.values())
+    docs.mkdir(parents=True, exist_ok=True)
     (docs / "results.json").write_text(json.dumps(sorted(rows.values(), key=lambda r: (
         r["revin"], r["pred_len"], r["seq_len"], r["mechanism"])), indent=1) + "\n")
     pictured = plot_lengths(rows, docs / PICTURE)
@@ -470,17 +523,19 @@ def report(runs: Path, docs: Path) -> None:
             f"**The grid is still training: {finished} of its {len(grid())} runs have finished** "
             "(`benchmarks/forecast_results.py --list` shows which); a cell without a run reads —.", ""]),
         "## The protocol table", "", *protocol_table(rows, False), "",
-        *([verdict, ""] if (verdict := protocol_verdict(rows)) else []),
+        *_paragraph(protocol_verdict(rows)),
         "## With RevIN", "",
         "`--revin`: each input window normalised by its own mean and deviation (with a learnt affine), "
         "the forecast mapped back (Kim et al., ICLR 2022).", "",
         *protocol_table(rows, True), "",
+        *_paragraph(revin_verdict(rows)),
         "## What a longer input buys", "",
         "Horizon 168, seed 0; decoder start token 48, 168, 336, 336 steps for inputs 96, 336, 720, 1440. "
         "Seconds per epoch are of training and validation, with a second run beside it on the other "
         "core; peak memory is the run's process's peak resident memory.", "",
         *length_table(rows), "",
         *([f"![test MSE, time and memory against input length]({PICTURE})", ""] if pictured else []),
+        *_paragraph(length_verdict(rows)),
         "## Swap at inference", "",
         "The seed-0 forecaster trained with full attention, tested again with each mechanism at its "
         "defaults in the encoder's self-attention, and in the decoder's where the mechanism has a causal "

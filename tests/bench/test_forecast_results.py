@@ -83,6 +83,7 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     assert "best on this page at horizon 24: prob_sparse at a 720-step input, 0.085, 1.39× S4's 0.061" in md
     assert "The best on this page at horizon 168: full with RevIN at a 720-step input, 0.095 (1 seed)" in md
     assert "4 finished runs at a 720-step input, two runs side by side: 10–20 minutes an epoch, 50–60 " in md
+    assert "linear: test MSE 0.200 / 0.150 at 96 / 336 steps; its best: 336 steps; from 96 to 336 steps" in md
     assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
 
     rows = json.loads((docs / "results.json").read_text())
@@ -128,3 +129,40 @@ def test_swap_verdict_groups_by_ratio_and_reads_the_baseline():
     assert "(better than full itself)" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 0.85}})
     assert fr._swap_verdict({"full": {"mse": 1.0}, "d": {"error": "x"}}).startswith("No mechanism could")
     assert "better than no attention" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.8}})
+
+
+def rows_of(runs: Path) -> dict:
+    return {cell: fr.summary(done) for cell, done in fr.cells(runs, fr.grid()).items()}
+
+
+def test_revin_verdict_reads_changes_against_the_seed_spread(tmp_path):
+    assert fr.revin_verdict({}) == ""
+    finish(tmp_path, protocol("full", 24, 0), 0.100)
+    finish(tmp_path, protocol("full", 24, 1), 0.120)  # spread 0.010
+    finish(tmp_path, protocol("full", 24, revin=True), 0.080)  # lower by more than the spread
+    finish(tmp_path, protocol("prob_sparse", 48), 0.100)
+    finish(tmp_path, protocol("prob_sparse", 48, revin=True), 0.105)  # level
+    finish(tmp_path, protocol("linear", 168), 0.100)
+    finish(tmp_path, protocol("linear", 168, revin=True), 0.130)  # higher
+    finish(tmp_path, protocol("lsh", 24, revin=True), 0.050)  # nothing to compare with
+    assert fr.revin_verdict(rows_of(tmp_path)) == (
+        "Test MSE without RevIN → with it: prob_sparse at horizon 48 0.100 → 0.105 (+5%); full at horizon "
+        "24 0.110 → 0.080 (-27%); linear at horizon 168 0.100 → 0.130 (+30%). RevIN lowers it by more "
+        "than the seed spread (0.010) in 1 of 3 cells, raises it in 1, and leaves 1 level.")
+
+
+def test_length_verdict_finds_the_shortest_input_as_good_as_the_best(tmp_path):
+    def study(mech, n, mse, seconds, peak):
+        finish(tmp_path, fr.Run(mech, n, fr.LENGTH_LABEL[n], 168, 0), mse, seconds=seconds, peak=peak)
+
+    study("linear", 96, 0.200, 100, 1000)
+    study("linear", 336, 0.150, 200, 1200)
+    study("linear", 1440, 0.140, 500, 3000)
+    study("full", 96, 0.2, 100, 1000)  # one length: nothing to read
+    assert fr.length_verdict(rows_of(tmp_path)) == (
+        "linear: test MSE 0.200 / 0.150 / 0.140 at 96 / 336 / 1440 steps; its best: 1440 steps; from 96 "
+        "to 1440 steps, time an epoch ×5.0 and peak memory ×3.0.")
+    finish(tmp_path, protocol("full", 24, 0), 0.100)
+    finish(tmp_path, protocol("full", 24, 1), 0.120)  # a seed spread of 0.010: 336 is as good as 1440
+    assert "the shortest input within the seed spread of its best: 336 steps" in fr.length_verdict(
+        rows_of(tmp_path))
