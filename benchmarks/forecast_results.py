@@ -370,8 +370,8 @@ def protocol_verdict(rows: dict[tuple, dict]) -> str:
 
 
 def _noise(rows: dict[tuple, dict]) -> float:
-    """The largest half-range over seeds of any cell with several: a difference below it is not read."""
-    return max((r["mse_spread"] for r in rows.values() if len(r["seeds"]) > 1), default=0.0)
+    """The largest half-range over seeds of any cell: a difference below it is not read."""
+    return max((r["mse_spread"] for r in rows.values()), default=0.0)
 
 
 def _within(noise: float) -> str:

@@ -68,12 +68,13 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     finish(runs, protocol("prob_sparse", 24, 1), 0.080)
     finish(runs, protocol("full", 24, 0), 0.100, seconds=1200, epochs=3)
     finish(runs, protocol("full", 168, 0, revin=True), 0.095)
+    finish(runs, protocol("prob_sparse", 24, 0, revin=True), 0.090)
     for n, mse in [(96, 0.2), (336, 0.15)]:
         finish(runs, fr.Run("linear", n, fr.LENGTH_LABEL[n], 168, 0), mse, seconds=n)
     fr.report(runs, docs)
 
     md = (docs / "results.md").read_text()
-    assert "6 of its 48 runs have finished" in md
+    assert "7 of its 48 runs have finished" in md
     assert "| prob_sparse | 0.085 ± 0.005 | 0.200 | — |" in md
     assert "| full | — | — | — | — | 0.095 (1 seed) | 0.200 | 5.0 |" in md  # the RevIN table
     assert "| linear | 336 | 0.150 (1 seed) | 0.200 | 336 | 1500 |" in md
@@ -82,12 +83,14 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     assert "horizon 24 MSE 0.100 against 0.092 (+9%), MAE 0.200 against 0.246 (-19%) (1 seed)" in md
     assert "best on this page at horizon 24: prob_sparse at a 720-step input, 0.085, 1.39× S4's 0.061" in md
     assert "The best on this page at horizon 168: full with RevIN at a 720-step input, 0.095 (1 seed)" in md
-    assert "4 finished runs at a 720-step input, two runs side by side: 10–20 minutes an epoch, 50–60 " in md
-    assert "linear: test MSE 0.200 / 0.150 at 96 / 336 steps; its best: 336 steps; from 96 to 336 steps" in md
+    assert "RevIN lowers it by more than the seed spread (0.005) in 0 of 1 cells" in md
+    assert "5 finished runs at a 720-step input, two runs side by side: 10–20 minutes an epoch, 50–60 " in md
+    assert ("linear: test MSE 0.200 / 0.150 at 96 / 336 steps; the shortest input within the seed spread of "
+            "its best: 336 steps; from 96 to 336 steps, time an epoch ×3.5 and peak memory ×1.0.") in md
     assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
 
     rows = json.loads((docs / "results.json").read_text())
-    assert len(rows) == 5
+    assert len(rows) == 6
     keys = {"mechanism", "seq_len", "label_len", "pred_len", "features", "revin", "mse", "mae", "mse_spread",
             "seeds", "epochs", "seconds_per_epoch", "d_model", "n_heads", "d_ff", "command"}
     assert all(keys <= set(r) for r in rows)
@@ -144,11 +147,14 @@ def test_revin_verdict_reads_changes_against_the_seed_spread(tmp_path):
     finish(tmp_path, protocol("prob_sparse", 48, revin=True), 0.105)  # level
     finish(tmp_path, protocol("linear", 168), 0.100)
     finish(tmp_path, protocol("linear", 168, revin=True), 0.130)  # higher
+    finish(tmp_path, protocol("lsh", 48), 0.100)
+    finish(tmp_path, protocol("lsh", 48, revin=True), 0.095)  # lower, but within the spread: level
     finish(tmp_path, protocol("lsh", 24, revin=True), 0.050)  # nothing to compare with
     assert fr.revin_verdict(rows_of(tmp_path)) == (
         "Test MSE without RevIN → with it: prob_sparse at horizon 48 0.100 → 0.105 (+5%); full at horizon "
-        "24 0.110 → 0.080 (-27%); linear at horizon 168 0.100 → 0.130 (+30%). RevIN lowers it by more "
-        "than the seed spread (0.010) in 1 of 3 cells, raises it in 1, and leaves 1 level.")
+        "24 0.110 → 0.080 (-27%); lsh at horizon 48 0.100 → 0.095 (-5%); linear at horizon 168 0.100 → 0.130 "
+        "(+30%). RevIN lowers it by more than the seed spread (0.010) in 1 of 4 cells, raises it in 1, and "
+        "leaves 2 level.")
 
 
 def test_length_verdict_finds_the_shortest_input_as_good_as_the_best(tmp_path):
