@@ -236,7 +236,9 @@ def swap_source(run: Run) -> bool:
     return run.mech == "full" and run.seed == 0 and not run.revin and run.seq_len == SEQ_LEN
 
 
-def swap_table(runs: Path, rows: dict[tuple, dict]) -> list[str]:
+def swap_table(runs: Path, seed0: dict[tuple, dict]) -> list[str]:
+    """The swap of each horizon beside what each mechanism reaches trained, both of seed 0
+    (``seed0``: the cells of seed-0 runs alone)."""
     tables = []
     for h in HORIZONS:
         path = runs / Run("full", SEQ_LEN, LABEL_LEN[h], h, 0).name / "swap.json"
@@ -247,7 +249,8 @@ def swap_table(runs: Path, rows: dict[tuple, dict]) -> list[str]:
         tables += [f"Horizon {h}:", "", "| mechanism | test MSE, swapped in | ÷ full's | test MSE, trained "
                    "with it | note |", "|---|---|---|---|---|"]
         for mech, r in found.items():
-            own = _fmt(rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)), "mse")
+            trained = seed0.get((mech, SEQ_LEN, LABEL_LEN[h], h, False))
+            own = f"{trained['mse']:.3f}" if trained else "—"
             if "error" in r:
                 tables.append(f"| {mech} | failed | — | {own} | {r['error']} |")
                 continue
@@ -296,6 +299,17 @@ def cells(runs: Path, selected: list[Run]) -> dict[tuple, list[tuple[Run, dict]]
         if m is not None:
             found.setdefault(run.cell, []).append((run, m))
     return found
+
+
+def cell_rows(runs: Path, selected: list[Run]) -> dict[tuple, dict]:
+    """The :func:`summary` of each cell that has a finished run among ``selected``."""
+    return {cell: summary(done) for cell, done in cells(runs, selected).items()}
+
+
+def seed_zero(runs: Path) -> dict[tuple, dict]:
+    """The cells of the grid's seed-0 runs alone: what a one-seed run (RevIN, the input-length
+    study, the swap) is read against, like for like."""
+    return cell_rows(runs, [run for run in grid() if run.seed == 0])
 
 
 def summary(done: list[tuple[Run, dict]]) -> dict:
@@ -500,8 +514,7 @@ def report(runs: Path, docs: Path) -> None:
     (docs / "results.json").write_text(json.dumps(sorted(rows.values(), key=lambda r: (
         r["revin"], r["pred_len"], r["seq_len"], r["mechanism"])), indent=1) + "\n")
     # The RevIN runs and the input-length study have seed 0 alone: they are read against seed 0.
-    seed0 = {cell: summary(done) for cell, done in cells(runs, [r for r in grid() if r.seed == 0]).items()}
-    study = {cell: summary(done) for cell, done in cells(runs, length_study()).items()}
+    seed0, study = seed_zero(runs), cell_rows(runs, length_study())
     pictured = plot_lengths(study, docs / PICTURE)
     config = " ".join(CONFIG)
     lines = [
@@ -546,12 +559,12 @@ def report(runs: Path, docs: Path) -> None:
         "The seed-0 forecaster trained with full attention, tested again with each mechanism at its "
         "defaults in the encoder's self-attention, and in the decoder's where the mechanism has a causal "
         "form, without retraining (cross-attention stays full); beside it, the test MSE of the "
-        "forecaster trained with that mechanism, where the grid has it. A ratio near 1 means the "
-        "approximation keeps the trained model's accuracy; a large one, that the mechanism needs "
+        "forecaster trained with that mechanism (seed 0 too), where the grid has it. A ratio near 1 "
+        "means the approximation keeps the trained model's accuracy; a large one, that the mechanism needs "
         "training with it. The last row is a baseline, not a mechanism: self-attention replaced by each "
         "query's plain average of the values it may see, which says how much the trained model uses "
         "its self-attention at all.", "",
-        *(swap_table(runs, rows) or ["(None yet: a swap is tested when its full-attention run has "
+        *(swap_table(runs, seed0) or ["(None yet: a swap is tested when its full-attention run has "
                                      "finished, and again by the next grid run if it failed.)", ""]),
         "Regenerate: `.venv/bin/python benchmarks/forecast_results.py` (trains what is missing, "
         "then writes docs/results.md, docs/results.json and docs/img/input_length.png; "

@@ -73,9 +73,12 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     finish(runs, protocol("prob_sparse", 168, 1), 0.120)
     for n, mse in [(96, 0.2), (336, 0.15)]:
         finish(runs, fr.Run("linear", n, fr.LENGTH_LABEL[n], 168, 0), mse, seconds=n)
+    (runs / protocol("full", 24).name / "swap.json").write_text(json.dumps({
+        "full": {"mse": 0.100, "notes": []}, "prob_sparse": {"mse": 0.105, "notes": []}}))
     fr.report(runs, docs)
 
     md = (docs / "results.md").read_text()
+    assert "| prob_sparse | 0.105 | 1.05 | 0.090 |  |" in md  # beside prob_sparse's seed 0, as the swap's
     assert "9 of its 48 runs have finished" in md
     assert "| prob_sparse | 0.085 ± 0.005 | 0.200 | — |" in md
     assert "| full | — | — | — | — | 0.095 (1 seed) | 0.200 | 5.0 |" in md  # the RevIN table
@@ -140,7 +143,7 @@ def test_swap_verdict_groups_by_ratio_and_reads_the_baseline():
 
 
 def rows_of(runs: Path) -> dict:
-    return {cell: fr.summary(done) for cell, done in fr.cells(runs, fr.grid()).items()}
+    return fr.cell_rows(runs, fr.grid())
 
 
 def test_revin_verdict_reads_changes_against_the_seed_spread(tmp_path):
@@ -175,3 +178,20 @@ def test_length_verdict_finds_the_shortest_input_as_good_as_the_best(tmp_path):
     # a seed spread of 0.010: 336 is as good as 1440
     assert "the shortest input within the seed spread of its best: 336 steps" in fr.length_verdict(
         rows_of(tmp_path), 0.010)
+
+
+def test_swap_table_sets_each_swap_beside_the_seed_0_run_trained_with_it(tmp_path):
+    source = protocol("full", 24)
+    finish(tmp_path, source, 0.100)
+    finish(tmp_path, protocol("full", 24, 1), 0.140)
+    finish(tmp_path, protocol("prob_sparse", 24), 0.090)
+    finish(tmp_path, protocol("prob_sparse", 24, 1), 0.130)
+    (tmp_path / source.name / "swap.json").write_text(json.dumps({
+        "full": {"mse": 0.100, "notes": []}, "prob_sparse": {"mse": 0.120, "notes": []},
+        "linformer": {"error": "ValueError: x", "notes": ["encoder only (not causal)"]}}))
+    table = fr.swap_table(tmp_path, fr.seed_zero(tmp_path))
+    assert table[:4] == ["Horizon 24:", "", "| mechanism | test MSE, swapped in | ÷ full's | test MSE, "
+                         "trained with it | note |", "|---|---|---|---|---|"]
+    assert table[4:7] == ["| full | 0.100 | 1.00 | 0.100 |  |", "| prob_sparse | 0.120 | 1.20 | 0.090 |  |",
+                          "| linformer | failed | — | — | ValueError: x |"]
+    assert table[8].startswith("Swapped in without retraining: 10–50 % above, some of it lost: prob_sparse.")
