@@ -301,15 +301,12 @@ def cells(runs: Path, selected: list[Run]) -> dict[tuple, list[tuple[Run, dict]]
     return found
 
 
-def cell_rows(runs: Path, selected: list[Run]) -> dict[tuple, dict]:
-    """The :func:`summary` of each cell that has a finished run among ``selected``."""
-    return {cell: summary(done) for cell, done in cells(runs, selected).items()}
-
-
-def seed_zero(runs: Path) -> dict[tuple, dict]:
-    """The cells of the grid's seed-0 runs alone: what a one-seed run (RevIN, the input-length
-    study, the swap) is read against, like for like."""
-    return cell_rows(runs, [run for run in grid() if run.seed == 0])
+def seed_zero(found: dict[tuple, list[tuple[Run, dict]]]) -> dict[tuple, dict]:
+    """The :func:`summary` of each cell's seed-0 run alone (``found``: :func:`cells`): every cell
+    has that seed, so one-seed cells (RevIN, the input-length study, the swap) are read against
+    the others like for like."""
+    return {cell: summary(zero) for cell, done in found.items()
+            if (zero := [(run, m) for run, m in done if run.seed == 0])}
 
 
 def summary(done: list[tuple[Run, dict]]) -> dict:
@@ -360,8 +357,9 @@ def _against(ours: float, theirs: float) -> str:
     return f"{ours:.3f} against {theirs:.3f} ({ours / theirs - 1:+.0%})"
 
 
-def protocol_verdict(rows: dict[tuple, dict]) -> str:
-    """Sentences on where the runs stand against the paper's rows and S4, horizon by horizon."""
+def protocol_verdict(rows: dict[tuple, dict], seed0: dict[tuple, dict]) -> str:
+    """Sentences on where the pair's cells (``rows``: means over seeds) stand against the paper's
+    rows, and where the best of any table (``seed0``: :func:`seed_zero`) stands against S4."""
     sentences = []
     for mech, paper in PAPER_ROW.items():
         found = {h: r for h in HORIZONS if (r := rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)))}
@@ -373,23 +371,29 @@ def protocol_verdict(rows: dict[tuple, dict]) -> str:
             sentences.append(f"{mech} against {paper} in the paper (the change from the paper's): "
                              f"{'; '.join(each)}.")
     for h in HORIZONS:  # any table of this page: any mechanism, input length or RevIN
-        at_h = [r for r in rows.values() if r["pred_len"] == h]
+        at_h = [r for r in seed0.values() if r["pred_len"] == h]
         if at_h:
             best = min(at_h, key=lambda r: r["mse"])
             sentences.append(
-                f"The best on this page at horizon {h}: {best['mechanism']}"
-                f"{' with RevIN' if best['revin'] else ''} at a {best['seq_len']}-step input, "
-                f"{best['mse']:.3f}{_seeds(best)}, {best['mse'] / S4[h]:.2f}× S4's {S4[h]:.3f}.")
+                f"The best on this page at horizon {h}, read on seed 0 (the seed every cell has): "
+                f"{best['mechanism']}{' with RevIN' if best['revin'] else ''} at a {best['seq_len']}-step "
+                f"input, {best['mse']:.3f}, {best['mse'] / S4[h]:.2f}× S4's {S4[h]:.3f}.")
     return " ".join(sentences)
 
 
 def _noise(rows: dict[tuple, dict]) -> float:
-    """The largest half-range over seeds of any cell: a difference below it is not read."""
-    return max((r["mse_spread"] for r in rows.values()), default=0.0)
+    """The largest gap between the seeds of any cell (twice its half-range): one run against
+    another that differs by less is not read as a difference."""
+    return 2 * max((r["mse_spread"] for r in rows.values()), default=0.0)
 
 
-def _within(noise: float) -> str:
-    return f" by more than the seed spread ({noise:.3f})" if noise else ""
+def _beyond(noise: float) -> str:
+    """The words that say a difference counts only past ``noise``."""
+    return f" by more than the largest gap between seeds ({noise:.3f})" if noise else ""
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def revin_verdict(seed0: dict[tuple, dict], noise: float) -> str:
@@ -405,17 +409,18 @@ def revin_verdict(seed0: dict[tuple, dict], noise: float) -> str:
     higher = sum(rev["mse"] > base["mse"] + noise for *_, base, rev in both)
     each = "; ".join(f"{mech} at horizon {h} {base['mse']:.3f} → {rev['mse']:.3f} "
                      f"({rev['mse'] / base['mse'] - 1:+.0%})" for mech, h, base, rev in both)
-    return (f"Test MSE without RevIN → with it: {each}. RevIN lowers it{_within(noise)} in {lower} of "
-            f"{len(both)} cells, raises it in {higher}, and leaves {len(both) - lower - higher} level.")
+    return (f"Test MSE of seed 0 without RevIN → with it: {each}. RevIN lowers it{_beyond(noise)} in "
+            f"{lower} of {_count(len(both), 'cell')}, raises it in {higher}, and leaves "
+            f"{len(both) - lower - higher} level.")
 
 
-def length_verdict(study: dict[tuple, dict], noise: float) -> str:
-    """Per mechanism of the input-length study (``study``: its seed-0 cells): its MSE at each input
+def length_verdict(seed0: dict[tuple, dict], noise: float) -> str:
+    """Per mechanism of the input-length study (``seed0``: :func:`seed_zero`): its MSE at each input
     length, the shortest input within ``noise`` of its best, and what the longest input costs
     against the shortest."""
     sentences = []
     for mech in LENGTH_MECHANISMS:
-        found = [(n, r) for n in LENGTHS if (r := study.get((mech, n, LENGTH_LABEL[n], 168, False)))]
+        found = [(n, r) for n in LENGTHS if (r := seed0.get((mech, n, LENGTH_LABEL[n], 168, False)))]
         if len(found) < 2:
             continue
         best = min(r["mse"] for _, r in found)
@@ -426,10 +431,10 @@ def length_verdict(study: dict[tuple, dict], noise: float) -> str:
                 if first[key] and last[key]]
         mses, lengths = (" / ".join(f"{r['mse']:.3f}" for _, r in found),
                          " / ".join(str(n) for n, _ in found))
-        sentences.append(
-            f"{mech}: test MSE {mses} at {lengths} steps; "
-            f"{'the shortest input within the seed spread of its best' if noise else 'its best'}: "
-            f"{enough} steps" + (f"; from {n0} to {n1} steps, {' and '.join(cost)}." if cost else "."))
+        pays = (f"the shortest input within {noise:.3f} (the largest gap between seeds) of its best"
+                if noise else "its best")
+        costs = f"; from {n0} to {n1} steps, {' and '.join(cost)}" if cost else ""
+        sentences.append(f"{mech}: test MSE {mses} at {lengths} steps; {pays}: {enough} steps{costs}.")
     return " ".join(sentences)
 
 
@@ -503,6 +508,7 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
 
 
 def _paragraph(text: str) -> list[str]:
+    """A paragraph of results.md, or nothing where ``text`` is empty."""
     return [text, ""] if text else []
 
 
@@ -513,9 +519,8 @@ def report(runs: Path, docs: Path) -> None:
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "results.json").write_text(json.dumps(sorted(rows.values(), key=lambda r: (
         r["revin"], r["pred_len"], r["seq_len"], r["mechanism"])), indent=1) + "\n")
-    # The RevIN runs and the input-length study have seed 0 alone: they are read against seed 0.
-    seed0, study = seed_zero(runs), cell_rows(runs, length_study())
-    pictured = plot_lengths(study, docs / PICTURE)
+    seed0 = seed_zero(found)  # the RevIN runs and the input-length study have seed 0 alone
+    pictured = plot_lengths(seed0, docs / PICTURE)
     config = " ".join(CONFIG)
     lines = [
         "# Forecasting ETTh1 with each mechanism, at Informer's protocol", "",
@@ -541,20 +546,19 @@ def report(runs: Path, docs: Path) -> None:
             f"**The grid is still training: {finished} of its {len(grid())} runs have finished** "
             "(`benchmarks/forecast_results.py --list` shows which); a cell without a run reads —.", ""]),
         "## The protocol table", "", *protocol_table(rows, False), "",
-        *_paragraph(protocol_verdict(rows)),
+        *_paragraph(protocol_verdict(rows, seed0)),
         "## With RevIN", "",
         "`--revin`: each input window normalised by its own mean and deviation (with a learnt affine), "
-        "the forecast mapped back (Kim et al., ICLR 2022). Seed 0 alone: the verdict below reads each cell "
-        "against seed 0 without RevIN.", "",
+        "the forecast mapped back (Kim et al., ICLR 2022). Seed 0 alone.", "",
         *protocol_table(rows, True), "",
         *_paragraph(revin_verdict(seed0, _noise(rows))),
         "## What a longer input buys", "",
         "Horizon 168, seed 0; decoder start token 48, 168, 336, 336 steps for inputs 96, 336, 720, 1440. "
         "Seconds per epoch are of training and validation, with a second run beside it on the other "
         "core; peak memory is the run's process's peak resident memory.", "",
-        *length_table(study), "",
+        *length_table(seed0), "",
         *([f"![test MSE, time and memory against input length]({PICTURE})", ""] if pictured else []),
-        *_paragraph(length_verdict(study, _noise(rows))),
+        *_paragraph(length_verdict(seed0, _noise(rows))),
         "## Swap at inference", "",
         "The seed-0 forecaster trained with full attention, tested again with each mechanism at its "
         "defaults in the encoder's self-attention, and in the decoder's where the mechanism has a causal "

@@ -68,7 +68,7 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     finish(runs, protocol("prob_sparse", 24, 1), 0.080)
     finish(runs, protocol("full", 24, 0), 0.100, seconds=1200, epochs=3)
     finish(runs, protocol("full", 168, 0, revin=True), 0.095)
-    finish(runs, protocol("prob_sparse", 24, 0, revin=True), 0.090)
+    finish(runs, protocol("prob_sparse", 24, 0, revin=True), 0.095)
     finish(runs, protocol("prob_sparse", 168, 0), 0.100)
     finish(runs, protocol("prob_sparse", 168, 1), 0.120)
     for n, mse in [(96, 0.2), (336, 0.15)]:
@@ -86,15 +86,18 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     # prob_sparse below the paper
     assert "horizon 24 MSE 0.085 against 0.098 (-13%), MAE 0.200 against 0.247 (-19%)" in md
     assert "horizon 24 MSE 0.100 against 0.092 (+9%), MAE 0.200 against 0.246 (-19%) (1 seed)" in md
-    assert "best on this page at horizon 24: prob_sparse at a 720-step input, 0.085, 1.39× S4's 0.061" in md
-    assert "The best on this page at horizon 168: full with RevIN at a 720-step input, 0.095 (1 seed)" in md
-    # RevIN and the length study read against seed 0 alone, not the mean of two seeds
-    assert "prob_sparse at horizon 24 0.090 → 0.090 (+0%). RevIN lowers it by more than the seed spread " \
-        "(0.010) in 0 of 1 cells" in md
+    # the best, RevIN and the length study read on seed 0 alone, not the mean of two seeds beside one
+    assert "best on this page at horizon 24, read on seed 0 (the seed every cell has): prob_sparse at a " \
+        "720-step input, 0.090, 1.48× S4's 0.061" in md
+    assert "best on this page at horizon 168, read on seed 0 (the seed every cell has): full with RevIN at " \
+        "a 720-step input, 0.095, 0.91× S4's 0.104" in md
+    assert "prob_sparse at horizon 24 0.090 → 0.095 (+6%). RevIN lowers it by more than the largest gap " \
+        "between seeds (0.020) in 0 of 1 cell, raises it in 0, and leaves 1 level." in md
     assert "| prob_sparse | 720 | 0.100 (1 seed) |" in md
     assert "7 finished runs at a 720-step input, two runs side by side: 10–20 minutes an epoch, 50–60 " in md
-    assert ("linear: test MSE 0.200 / 0.150 at 96 / 336 steps; the shortest input within the seed spread of "
-            "its best: 336 steps; from 96 to 336 steps, time an epoch ×3.5 and peak memory ×1.0.") in md
+    assert ("linear: test MSE 0.200 / 0.150 at 96 / 336 steps; the shortest input within 0.020 (the largest "
+            "gap between seeds) of its best: 336 steps; from 96 to 336 steps, time an epoch ×3.5 and peak "
+            "memory ×1.0.") in md
     assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
 
     rows = json.loads((docs / "results.json").read_text())
@@ -142,8 +145,8 @@ def test_swap_verdict_groups_by_ratio_and_reads_the_baseline():
     assert "better than no attention" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.8}})
 
 
-def rows_of(runs: Path) -> dict:
-    return fr.cell_rows(runs, fr.grid())
+def seed0_of(runs: Path) -> dict:
+    return fr.seed_zero(fr.cells(runs, fr.grid()))
 
 
 def test_revin_verdict_reads_changes_against_the_seed_spread(tmp_path):
@@ -157,11 +160,13 @@ def test_revin_verdict_reads_changes_against_the_seed_spread(tmp_path):
     finish(tmp_path, protocol("lsh", 48), 0.100)
     finish(tmp_path, protocol("lsh", 48, revin=True), 0.095)  # lower, but within the spread: level
     finish(tmp_path, protocol("lsh", 24, revin=True), 0.050)  # nothing to compare with
-    assert fr.revin_verdict(rows_of(tmp_path), 0.010) == (
-        "Test MSE without RevIN → with it: prob_sparse at horizon 48 0.100 → 0.105 (+5%); full at horizon "
-        "24 0.110 → 0.080 (-27%); lsh at horizon 48 0.100 → 0.095 (-5%); linear at horizon 168 0.100 → 0.130 "
-        "(+30%). RevIN lowers it by more than the seed spread (0.010) in 1 of 4 cells, raises it in 1, and "
-        "leaves 2 level.")
+    assert fr.revin_verdict(seed0_of(tmp_path), 0.010) == (
+        "Test MSE of seed 0 without RevIN → with it: prob_sparse at horizon 48 0.100 → 0.105 (+5%); full at "
+        "horizon 24 0.110 → 0.080 (-27%); lsh at horizon 48 0.100 → 0.095 (-5%); linear at horizon 168 "
+        "0.100 → 0.130 (+30%). RevIN lowers it by more than the largest gap between seeds (0.010) in 1 of 4 "
+        "cells, raises it in 1, and leaves 2 level.")
+    assert fr.revin_verdict(seed0_of(tmp_path), 0.0).endswith(
+        "RevIN lowers it in 2 of 4 cells, raises it in 2, and leaves 0 level.")
 
 
 def test_length_verdict_finds_the_shortest_input_as_good_as_the_best(tmp_path):
@@ -170,14 +175,17 @@ def test_length_verdict_finds_the_shortest_input_as_good_as_the_best(tmp_path):
 
     study("linear", 96, 0.200, 100, 1000)
     study("linear", 336, 0.150, 200, 1200)
-    study("linear", 1440, 0.140, 500, 3000)
+    study("linear", 1440, 0.145, 500, 3000)
     study("full", 96, 0.2, 100, 1000)  # one length: nothing to read
-    assert fr.length_verdict(rows_of(tmp_path), 0.0) == (
-        "linear: test MSE 0.200 / 0.150 / 0.140 at 96 / 336 / 1440 steps; its best: 1440 steps; from 96 "
+    assert fr.length_verdict(seed0_of(tmp_path), 0.0) == (
+        "linear: test MSE 0.200 / 0.150 / 0.145 at 96 / 336 / 1440 steps; its best: 1440 steps; from 96 "
         "to 1440 steps, time an epoch ×5.0 and peak memory ×3.0.")
-    # a seed spread of 0.010: 336 is as good as 1440
-    assert "the shortest input within the seed spread of its best: 336 steps" in fr.length_verdict(
-        rows_of(tmp_path), 0.010)
+    # a gap between seeds of 0.010: 336 is as good as 1440
+    assert "the shortest input within 0.010 (the largest gap between seeds) of its best: 336 steps;" in \
+        fr.length_verdict(seed0_of(tmp_path), 0.010)
+    study("full", 336, 0.1, None, None)  # a run that did not measure its cost: none said
+    assert "full: test MSE 0.200 / 0.100 at 96 / 336 steps; its best: 336 steps." in fr.length_verdict(
+        seed0_of(tmp_path), 0.0)
 
 
 def test_swap_table_sets_each_swap_beside_the_seed_0_run_trained_with_it(tmp_path):
@@ -189,7 +197,7 @@ def test_swap_table_sets_each_swap_beside_the_seed_0_run_trained_with_it(tmp_pat
     (tmp_path / source.name / "swap.json").write_text(json.dumps({
         "full": {"mse": 0.100, "notes": []}, "prob_sparse": {"mse": 0.120, "notes": []},
         "linformer": {"error": "ValueError: x", "notes": ["encoder only (not causal)"]}}))
-    table = fr.swap_table(tmp_path, fr.seed_zero(tmp_path))
+    table = fr.swap_table(tmp_path, seed0_of(tmp_path))
     assert table[:4] == ["Horizon 24:", "", "| mechanism | test MSE, swapped in | ÷ full's | test MSE, "
                          "trained with it | note |", "|---|---|---|---|---|"]
     assert table[4:7] == ["| full | 0.100 | 1.00 | 0.100 |  |", "| prob_sparse | 0.120 | 1.20 | 0.090 |  |",
