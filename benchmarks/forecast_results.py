@@ -451,9 +451,8 @@ def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
         lo, hi = f"{min(xs):.0f}", f"{max(xs):.0f}"
         return lo if lo == hi else f"{lo}–{hi}"
 
-    runs = "1 finished run" if len(done) == 1 else f"{len(done)} finished runs"
-    return (f"Measured over the {runs} at a 720-step input, two runs side by side: "
-            f"{span(per_epoch_min)} minutes an epoch, {span(per_run_min)} minutes a run. ")
+    return (f"Measured over the {_count(len(done), 'finished run')} at a 720-step input, two runs side by "
+            f"side: {span(per_epoch_min)} minutes an epoch, {span(per_run_min)} minutes a run. ")
 
 
 def length_table(rows: dict[tuple, dict]) -> list[str]:
@@ -520,6 +519,7 @@ def report(runs: Path, docs: Path) -> None:
     (docs / "results.json").write_text(json.dumps(sorted(rows.values(), key=lambda r: (
         r["revin"], r["pred_len"], r["seq_len"], r["mechanism"])), indent=1) + "\n")
     seed0 = seed_zero(found)  # the RevIN runs and the input-length study have seed 0 alone
+    noise = _noise(rows)
     pictured = plot_lengths(seed0, docs / PICTURE)
     config = " ".join(CONFIG)
     lines = [
@@ -551,14 +551,14 @@ def report(runs: Path, docs: Path) -> None:
         "`--revin`: each input window normalised by its own mean and deviation (with a learnt affine), "
         "the forecast mapped back (Kim et al., ICLR 2022). Seed 0 alone.", "",
         *protocol_table(rows, True), "",
-        *_paragraph(revin_verdict(seed0, _noise(rows))),
+        *_paragraph(revin_verdict(seed0, noise)),
         "## What a longer input buys", "",
         "Horizon 168, seed 0; decoder start token 48, 168, 336, 336 steps for inputs 96, 336, 720, 1440. "
         "Seconds per epoch are of training and validation, with a second run beside it on the other "
         "core; peak memory is the run's process's peak resident memory.", "",
         *length_table(seed0), "",
         *([f"![test MSE, time and memory against input length]({PICTURE})", ""] if pictured else []),
-        *_paragraph(length_verdict(seed0, _noise(rows))),
+        *_paragraph(length_verdict(seed0, noise)),
         "## Swap at inference", "",
         "The seed-0 forecaster trained with full attention, tested again with each mechanism at its "
         "defaults in the encoder's self-attention, and in the decoder's where the mechanism has a causal "
