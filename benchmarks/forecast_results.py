@@ -353,32 +353,29 @@ def _seeds(row: dict) -> str:
     return " (1 seed)" if len(row["seeds"]) == 1 else ""
 
 
-def _against(ours: float, theirs: float) -> str:
-    return f"{ours:.3f} against {theirs:.3f} ({ours / theirs - 1:+.0%})"
+def _change(ours: float, theirs: float) -> str:
+    return f"{ours / theirs - 1:+.0%}"
 
 
-def protocol_verdict(rows: dict[tuple, dict], seed0: dict[tuple, dict]) -> str:
-    """Sentences on where the pair's cells (``rows``: means over seeds) stand against the paper's
-    rows, and where the best of any table (``seed0``: :func:`seed_zero`) stands against S4."""
-    sentences = []
+def against_table(rows: dict[tuple, dict], seed0: dict[tuple, dict]) -> list[str]:
+    """Where the pair's cells (``rows``: means over seeds) stand against the paper's rows, as the
+    change in MSE and MAE, and where the best of any table on the page (``seed0``:
+    :func:`seed_zero`) stands against S4."""
+    lines = ["| | " + " | ".join(f"h={h}" for h in HORIZONS) + " |", "|---|" + "---|" * len(HORIZONS)]
     for mech, paper in PAPER_ROW.items():
-        found = {h: r for h in HORIZONS if (r := rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)))}
-        if found:
-            marks = PAPER[paper]
-            each = [f"horizon {h} MSE {_against(r['mse'], marks[h][0])}, "
-                    f"MAE {_against(r['mae'], marks[h][1])}{_seeds(r)}"
-                    for h, r in found.items()]
-            sentences.append(f"{mech} against {paper} in the paper (the change from the paper's): "
-                             f"{'; '.join(each)}.")
+        found = [rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)) for h in HORIZONS]
+        lines.append(f"| {mech}, change in MSE / MAE from {paper} in the paper | " + " | ".join(
+            f"{_change(r['mse'], PAPER[paper][h][0])} / {_change(r['mae'], PAPER[paper][h][1])}{_seeds(r)}"
+            if r else "—" for h, r in zip(HORIZONS, found, strict=True)) + " |")
+    best = []
     for h in HORIZONS:  # any table of this page: any mechanism, input length or RevIN
         at_h = [r for r in seed0.values() if r["pred_len"] == h]
-        if at_h:
-            best = min(at_h, key=lambda r: r["mse"])
-            sentences.append(
-                f"The best on this page at horizon {h}, read on seed 0 (the seed every cell has): "
-                f"{best['mechanism']}{' with RevIN' if best['revin'] else ''} at a {best['seq_len']}-step "
-                f"input, {best['mse']:.3f}, {best['mse'] / S4[h]:.2f}× S4's {S4[h]:.3f}.")
-    return " ".join(sentences)
+        b = min(at_h, key=lambda r: r["mse"]) if at_h else None
+        best.append(f"{b['mse']:.3f}, {b['mse'] / S4[h]:.2f}× S4's: {b['mechanism']}"
+                    f"{' with RevIN' if b['revin'] else ''}, {b['seq_len']}-step input" if b else "—")
+    lines.append("| the best MSE on this page, read on seed 0 (the seed every cell has), against S4's | "
+                 + " | ".join(best) + " |")
+    return lines
 
 
 def _noise(rows: dict[tuple, dict]) -> float:
@@ -546,7 +543,7 @@ def report(runs: Path, docs: Path) -> None:
             f"**The grid is still training: {finished} of its {len(grid())} runs have finished** "
             "(`benchmarks/forecast_results.py --list` shows which); a cell without a run reads —.", ""]),
         "## The protocol table", "", *protocol_table(rows, False), "",
-        *_paragraph(protocol_verdict(rows, seed0)),
+        "Against the paper and the best published result:", "", *against_table(rows, seed0), "",
         "## With RevIN", "",
         "`--revin`: each input window normalised by its own mean and deviation (with a learnt affine), "
         "the forecast mapped back (Kim et al., ICLR 2022). Seed 0 alone.", "",

@@ -83,14 +83,15 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     assert "| prob_sparse | 0.085 ± 0.005 | 0.200 | — |" in md
     assert "| full | — | — | — | — | 0.095 (1 seed) | 0.200 | 5.0 |" in md  # the RevIN table
     assert "| linear | 336 | 0.150 (1 seed) | 0.200 | 336 | 1500 |" in md
-    # prob_sparse below the paper
-    assert "horizon 24 MSE 0.085 against 0.098 (-13%), MAE 0.200 against 0.247 (-19%)" in md
-    assert "horizon 24 MSE 0.100 against 0.092 (+9%), MAE 0.200 against 0.246 (-19%) (1 seed)" in md
-    # the best, RevIN and the length study read on seed 0 alone, not the mean of two seeds beside one
-    assert "best on this page at horizon 24, read on seed 0 (the seed every cell has): prob_sparse at a " \
-        "720-step input, 0.090, 1.48× S4's 0.061" in md
-    assert "best on this page at horizon 168, read on seed 0 (the seed every cell has): full with RevIN at " \
-        "a 720-step input, 0.095, 0.91× S4's 0.104" in md
+    # prob_sparse below the paper at 24, full above it; the best read on seed 0 alone, not the mean of
+    # two seeds beside one
+    assert "| prob_sparse, change in MSE / MAE from Informer (prob_sparse) in the paper | -13% / -19% " \
+        "| — | -40% / -42% |" in md
+    assert "| full, change in MSE / MAE from Informer with full attention in the paper | +9% / -19% " \
+        "(1 seed) | — | — |" in md
+    assert "| the best MSE on this page, read on seed 0 (the seed every cell has), against S4's | 0.090, " \
+        "1.48× S4's: prob_sparse, 720-step input | — | 0.095, 0.91× S4's: full with RevIN, 720-step " \
+        "input |" in md
     assert "prob_sparse at horizon 24 0.090 → 0.095 (+6%). RevIN lowers it by more than the largest gap " \
         "between seeds (0.020) in 0 of 1 cell, raises it in 0, and leaves 1 level." in md
     assert "| prob_sparse | 720 | 0.100 (1 seed) |" in md
