@@ -118,6 +118,18 @@ def test_resume_continues_exactly(tmp_path):
     assert not list((tmp_path / "b").glob("*.tmp"))
 
 
+def test_peak_memory_is_the_runs_across_a_resume(tmp_path, monkeypatch):
+    # The process that trained epoch 1 peaked higher than the one resumed for epoch 2 and the test:
+    # the run's peak is the first one's, not the last process's alone.
+    module = sys.modules[TrainConfig.__module__]
+    monkeypatch.setattr(module, "peak_rss_mib", lambda: 5000.0)
+    train(_cfg(tmp_path, "p", stop_after_epochs=1))
+    monkeypatch.setattr(module, "peak_rss_mib", lambda: 100.0)
+    assert train(_cfg(tmp_path, "p", resume=True))["peak_rss_mib"] == 5000.0
+    monkeypatch.setattr(module, "peak_rss_mib", lambda: None)  # no resource module: no figure
+    assert train(_cfg(tmp_path, "q"))["peak_rss_mib"] is None
+
+
 def test_resume_without_checkpoint_or_with_other_options_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no checkpoint"):
         train(_cfg(tmp_path, "none", resume=True))

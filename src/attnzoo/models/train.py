@@ -183,6 +183,12 @@ def peak_rss_mib() -> float | None:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
+def _run_peak(saved: float | None) -> float | None:
+    """The run's peak resident memory in MiB: this process's, or ``saved`` (the peak of the processes
+    before a resume) where that was higher."""
+    return max((p for p in (saved, peak_rss_mib()) if p is not None), default=None)
+
+
 def _bare(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
@@ -240,6 +246,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                              f"resume with the interrupted run's epochs and patience")
 
     def checkpoint(rng: list) -> None:
+        state["peak_rss_mib"] = _run_peak(state.get("peak_rss_mib"))
         save_atomic({"model": _bare(model).state_dict(), "optimiser": optimiser.state_dict(),
                      "scheduler": scheduler.state_dict(), "rng": rng, "state": state,
                      "config": dataclasses.asdict(cfg), "world": world}, checkpoint_path)
@@ -311,7 +318,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                "model": dataclasses.asdict(model_cfg), "data": cfg.data, "target": cfg.target,
                "features": cfg.features, "world_size": world, "seed": cfg.seed,
                "seconds_per_epoch": _mean([r["seconds"] for r in state["history"] if "seconds" in r]),
-               "peak_rss_mib": peak_rss_mib()}
+               "peak_rss_mib": _run_peak(state.get("peak_rss_mib"))}
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         plot_forecasts(_bare(model), data, device, out / "forecast.png", cfg.plot_windows)
