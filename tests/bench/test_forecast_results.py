@@ -56,6 +56,7 @@ def test_summary_means_seeds_and_gives_half_their_range(tmp_path):
     (row,) = [fr.summary(done) for done in fr.cells(tmp_path, fr.grid()).values()]
     assert row["mse"] == pytest.approx(0.07) and row["mae"] == pytest.approx(0.25)
     assert row["mse_spread"] == pytest.approx(0.01) and row["seeds"] == [0, 1]
+    assert row["mse_each_seed"] == [0.06, 0.08] and row["mae_each_seed"] == [0.2, 0.3]
     assert row["epochs"] == 5 and row["seconds_per_epoch"] == 700 and row["peak_rss_mib"] == 1600
     assert row["command"].endswith("--attn full --seed {seed}") and row["d_model"] == fr.WIDTH["d_model"]
     assert fr._fmt(row, "mse") == "0.070 ± 0.010" and fr._fmt(row, "mae") == "0.250"
@@ -81,24 +82,25 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     assert "| prob_sparse | 0.105 | 1.05 | 0.090 |  |" in md  # beside prob_sparse's seed 0, as the swap's
     assert "9 of its 48 runs have finished" in md
     assert "| prob_sparse | 0.085 ± 0.005 | 0.200 | — |" in md
-    assert "| full | — | — | — | — | 0.095 (1 seed) | 0.200 | 5.0 |" in md  # the RevIN table
-    assert "| linear | 336 | 0.150 (1 seed) | 0.200 | 336 | 1500 |" in md
+    # the RevIN table, each MSE beside its change from seed 0 without RevIN, where there is one
+    assert "| full | — | — | — | — | 0.095 | 0.200 | 5.0 |" in md
+    assert "| prob_sparse | 0.095 (+6%) | 0.200 | — | — | — | — | 5.0 |" in md
+    assert "| linear | 336 | 0.150 | 0.200 | 336 | 1500 |" in md
     # prob_sparse below the paper at 24, full above it; the best read on seed 0 alone, not the mean of
     # two seeds beside one
     assert "| prob_sparse, change in MSE / MAE from Informer (prob_sparse) in the paper | -13% / -19% " \
         "| — | -40% / -42% |" in md
     assert "| full, change in MSE / MAE from Informer with full attention in the paper | +9% / -19% " \
         "(1 seed) | — | — |" in md
-    assert "| the best MSE on this page, read on seed 0 (the seed every cell has), against S4's | 0.090, " \
-        "1.48× S4's: prob_sparse, 720-step input | — | 0.095, 0.91× S4's: full with RevIN, 720-step " \
-        "input |" in md
-    assert "prob_sparse at horizon 24 0.090 → 0.095 (+6%). RevIN lowers it by more than the largest gap " \
-        "between seeds (0.020) in 0 of 1 cell, raises it in 0, and leaves 1 level." in md
-    assert "| prob_sparse | 720 | 0.100 (1 seed) |" in md
+    assert "| the best MSE on this page, read on seed 0 (the seed every cell has), against S4's | 0.090 " \
+        "(prob_sparse, 720-step input): 1.48× S4's | — | 0.095 (full with RevIN, 720-step input): 0.91× " \
+        "S4's, level with it within the largest gap between seeds |" in md
+    assert "RevIN lowers test MSE by more than the largest gap between seeds (0.020) in 0 of 1 cell, " \
+        "raises it in 0, and leaves 1 level." in md
+    assert "Informer (prob_sparse), paper" not in md.split("## With RevIN")[1].split("##")[0]
+    assert "| prob_sparse | 720 | 0.100 | 0.200 |" in md  # seed 0 of the protocol's two
     assert "7 finished runs at a 720-step input, two runs side by side: 10–20 minutes an epoch, 50–60 " in md
-    assert ("linear: test MSE 0.200 / 0.150 at 96 / 336 steps; the shortest input within 0.020 (the largest "
-            "gap between seeds) of its best: 336 steps; from 96 to 336 steps, time an epoch ×3.5 and peak "
-            "memory ×1.0.") in md
+    assert "| linear | 336 (0.150) | 336 | 96 → 336 | ×3.5 | ×1.0 |" in md
     assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
 
     rows = json.loads((docs / "results.json").read_text())
@@ -134,12 +136,13 @@ def test_swapped_config_and_notes():
 
 
 def test_swap_verdict_groups_by_ratio_and_reads_the_baseline():
-    found = {"full": {"mse": 1.0}, "a": {"mse": 1.05}, "b": {"mse": 1.5}, "c": {"mse": 2.0},
-             "d": {"error": "ValueError: x"}}
+    # e: 1.1011, which the table prints as 1.10, is grouped as 1.10
+    found = {"full": {"mse": 1.0}, "a": {"mse": 1.05}, "e": {"mse": 1.1011}, "b": {"mse": 1.5},
+             "c": {"mse": 2.0}, "d": {"error": "ValueError: x"}}
     assert fr._swap_verdict(found) == (
-        "Swapped in without retraining: at most 10 % above full's test MSE, the trained model's accuracy "
-        "kept: a; 10–50 % above, some of it lost: b; more than 1.5× full's, a mechanism to train with "
-        "rather than swap in: c.")
+        "Swapped in without retraining: below full's test MSE or at most 10 % above it, the trained "
+        "model's accuracy kept: a, e; 10–50 % above, some of it lost: b; more than 1.5× full's, a "
+        "mechanism to train with rather than swap in: c.")
     assert "barely uses" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 1.02}})
     assert "(better than full itself)" in fr._swap_verdict({**found, fr.AVERAGE: {"mse": 0.85}})
     assert fr._swap_verdict({"full": {"mse": 1.0}, "d": {"error": "x"}}).startswith("No mechanism could")
@@ -162,15 +165,17 @@ def test_revin_verdict_reads_changes_against_the_seed_spread(tmp_path):
     finish(tmp_path, protocol("lsh", 48, revin=True), 0.095)  # lower, but within the spread: level
     finish(tmp_path, protocol("lsh", 24, revin=True), 0.050)  # nothing to compare with
     assert fr.revin_verdict(seed0_of(tmp_path), 0.010) == (
-        "Test MSE of seed 0 without RevIN → with it: prob_sparse at horizon 48 0.100 → 0.105 (+5%); full at "
-        "horizon 24 0.110 → 0.080 (-27%); lsh at horizon 48 0.100 → 0.095 (-5%); linear at horizon 168 "
-        "0.100 → 0.130 (+30%). RevIN lowers it by more than the largest gap between seeds (0.010) in 1 of 4 "
-        "cells, raises it in 1, and leaves 2 level.")
+        "In parentheses: the change from seed 0 without RevIN. RevIN lowers test MSE by more than the "
+        "largest gap between seeds (0.010) in 1 of 4 cells, raises it in 1, and leaves 2 level.")
     assert fr.revin_verdict(seed0_of(tmp_path), 0.0).endswith(
-        "RevIN lowers it in 2 of 4 cells, raises it in 2, and leaves 0 level.")
+        "RevIN lowers test MSE in 2 of 4 cells, raises it in 2, and leaves 0 level.")
+    assert fr.revin_table(seed0_of(tmp_path))[2:5] == [
+        "| prob_sparse | — | — | 0.105 (+5%) | 0.200 | — | — | 5.0 |",
+        "| full | 0.080 (-27%) | 0.200 | — | — | — | — | 5.0 |",
+        "| log_sparse | — | — | — | — | — | — | — |"]
 
 
-def test_length_verdict_finds_the_shortest_input_as_good_as_the_best(tmp_path):
+def test_length_summary_finds_the_shortest_input_as_good_as_the_best(tmp_path):
     def study(mech, n, mse, seconds, peak):
         finish(tmp_path, fr.Run(mech, n, fr.LENGTH_LABEL[n], 168, 0), mse, seconds=seconds, peak=peak)
 
@@ -178,15 +183,16 @@ def test_length_verdict_finds_the_shortest_input_as_good_as_the_best(tmp_path):
     study("linear", 336, 0.150, 200, 1200)
     study("linear", 1440, 0.145, 500, 3000)
     study("full", 96, 0.2, 100, 1000)  # one length: nothing to read
-    assert fr.length_verdict(seed0_of(tmp_path), 0.0) == (
-        "linear: test MSE 0.200 / 0.150 / 0.145 at 96 / 336 / 1440 steps; its best: 1440 steps; from 96 "
-        "to 1440 steps, time an epoch ×5.0 and peak memory ×3.0.")
+    assert fr.length_summary(seed0_of(tmp_path), 0.0) == [
+        "| mechanism | best input (test MSE) | shortest input within 0.000 of its best | inputs compared | "
+        "time an epoch | peak memory |", "|---|---|---|---|---|---|",
+        "| linear | 1440 (0.145) | 1440 | 96 → 1440 | ×5.0 | ×3.0 |"]
     # a gap between seeds of 0.010: 336 is as good as 1440
-    assert "the shortest input within 0.010 (the largest gap between seeds) of its best: 336 steps;" in \
-        fr.length_verdict(seed0_of(tmp_path), 0.010)
+    assert fr.length_summary(seed0_of(tmp_path), 0.010)[2] == "| linear | 1440 (0.145) | 336 | 96 → 1440 | " \
+        "×5.0 | ×3.0 |"
     study("full", 336, 0.1, None, None)  # a run that did not measure its cost: none said
-    assert "full: test MSE 0.200 / 0.100 at 96 / 336 steps; its best: 336 steps." in fr.length_verdict(
-        seed0_of(tmp_path), 0.0)
+    assert "| full | 336 (0.100) | 336 | 96 → 336 | — | — |" in fr.length_summary(seed0_of(tmp_path), 0.0)
+    assert fr.length_summary({}, 0.0) == []
 
 
 def test_swap_table_sets_each_swap_beside_the_seed_0_run_trained_with_it(tmp_path):
@@ -203,4 +209,9 @@ def test_swap_table_sets_each_swap_beside_the_seed_0_run_trained_with_it(tmp_pat
                          "trained with it | note |", "|---|---|---|---|---|"]
     assert table[4:7] == ["| full | 0.100 | 1.00 | 0.100 |  |", "| prob_sparse | 0.120 | 1.20 | 0.090 |  |",
                           "| linformer | failed | — | — | ValueError: x |"]
+    # the baseline is the last row, wherever swap.json has it
+    (tmp_path / source.name / "swap.json").write_text(json.dumps({
+        "full": {"mse": 0.100, "notes": []}, fr.AVERAGE: {"mse": 0.1, "notes": []},
+        "prob_sparse": {"mse": 0.120, "notes": []}}))
+    assert fr.swap_table(tmp_path, seed0_of(tmp_path))[6].startswith(f"| {fr.AVERAGE} |")
     assert table[8].startswith("Swapped in without retraining: 10–50 % above, some of it lost: prob_sparse.")
