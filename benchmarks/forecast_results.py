@@ -84,6 +84,11 @@ class Run:
                 "--seed", str(self.seed)]
 
 
+def protocol_cell(mech: str, h: int, revin: bool = False) -> tuple:
+    """The :attr:`Run.cell` of the 720-step protocol's cell of ``mech`` at horizon ``h``."""
+    return Run(mech, SEQ_LEN, LABEL_LEN[h], h, 0, revin).cell
+
+
 def pair(revin: bool) -> list[Run]:
     """prob_sparse and full at every horizon: every seed without RevIN, seed 0 with it."""
     return [Run(m, SEQ_LEN, LABEL_LEN[h], h, s, revin) for h in HORIZONS for m in PAIR
@@ -249,7 +254,7 @@ def swap_table(runs: Path, seed0: dict[tuple, dict]) -> list[str]:
         tables += [f"Horizon {h}:", "", "| mechanism | test MSE, swapped in | ÷ full's | test MSE, trained "
                    "with it | note |", "|---|---|---|---|---|"]
         for mech, r in sorted(found.items(), key=lambda mr: mr[0] == AVERAGE):  # the baseline last
-            trained = seed0.get((mech, SEQ_LEN, LABEL_LEN[h], h, False))
+            trained = seed0.get(protocol_cell(mech, h))
             own = f"{trained['mse']:.3f}" if trained else "—"
             if "error" in r:
                 tables.append(f"| {mech} | failed | — | {own} | {r['error']} |")
@@ -352,7 +357,7 @@ def protocol_table(rows: dict[tuple, dict]) -> list[str]:
     """The 720-step protocol without RevIN (``rows``: means over seeds), then the paper's and S4's."""
     lines = _table_head()
     for mech in PAIR + OTHERS:
-        found = [rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)) for h in HORIZONS]
+        found = [rows.get(protocol_cell(mech, h)) for h in HORIZONS]
         lines.append(f"| {mech} | " + " | ".join(f"{_fmt(r, 'mse')} | {_fmt(r, 'mae')}" for r in found)
                      + f" | {_mean_epochs(found)} |")
     for name, marks in PAPER.items():
@@ -369,7 +374,7 @@ def revin_table(seed0: dict[tuple, dict]) -> list[str]:
     for mech in PAIR + OTHERS:
         cells, found = [], []
         for h in HORIZONS:
-            base, rev = (seed0.get((mech, SEQ_LEN, LABEL_LEN[h], h, revin)) for revin in (False, True))
+            base, rev = (seed0.get(protocol_cell(mech, h, revin)) for revin in (False, True))
             change = f" ({_change(rev['mse'], base['mse'])})" if rev and base else ""
             cells.append(f"{rev['mse']:.3f}{change} | {rev['mae']:.3f}" if rev else "— | —")
             found.append(rev)
@@ -391,7 +396,7 @@ def against_table(rows: dict[tuple, dict], seed0: dict[tuple, dict], noise: floa
     :func:`seed_zero`) stands against S4; within ``noise`` of S4's reads as level with it."""
     lines = ["| | " + " | ".join(f"h={h}" for h in HORIZONS) + " |", "|---|" + "---|" * len(HORIZONS)]
     for mech, paper in PAPER_ROW.items():
-        found = [rows.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)) for h in HORIZONS]
+        found = [rows.get(protocol_cell(mech, h)) for h in HORIZONS]
         lines.append(f"| {mech}, change in MSE / MAE from {paper} in the paper | " + " | ".join(
             f"{_change(r['mse'], PAPER[paper][h][0])} / {_change(r['mae'], PAPER[paper][h][1])}{_seeds(r)}"
             if r else "—" for h, r in zip(HORIZONS, found, strict=True)) + " |")
@@ -430,8 +435,8 @@ def revin_verdict(seed0: dict[tuple, dict], noise: float) -> str:
     (``seed0``: :func:`seed_zero`: RevIN runs have that seed alone, and the same seed on both sides
     keeps the comparison like for like)."""
     both = [(base, rev) for mech in PAIR + OTHERS for h in HORIZONS
-            if (base := seed0.get((mech, SEQ_LEN, LABEL_LEN[h], h, False)))
-            and (rev := seed0.get((mech, SEQ_LEN, LABEL_LEN[h], h, True)))]
+            if (base := seed0.get(protocol_cell(mech, h)))
+            and (rev := seed0.get(protocol_cell(mech, h, True)))]
     if not both:
         return ""
     lower = sum(rev["mse"] < base["mse"] - noise for base, rev in both)
