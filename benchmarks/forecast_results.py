@@ -13,6 +13,9 @@ stopped and started again at any time. Runs go in order of priority: the protoco
 0 and 1 of prob_sparse and full, then one seed of log_sparse, lsh and linear), prob_sparse and
 full with RevIN (seed 0), the input-length study, then the others with RevIN.
 
+The records a report reads (each run's metrics.json, and swap.json where it has one) are committed
+in ``runs/etth1/``, so ``--report`` rebuilds the page on any clone; checkpoints and weights are not.
+
 Swap at inference: as soon as a seed-0 full-attention run of the protocol table finishes, its
 best weights are tested again with each other mechanism in the self-attention slots, without
 retraining (kept in ``RUNS/<name>/swap.json``).
@@ -534,6 +537,18 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
     return True
 
 
+def recovered_note(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
+    """A sentence on the runs whose records were rebuilt from an earlier page (``found``: :func:`cells`)."""
+    n = sum("recovered" in m for done in found.values() for _, m in done)
+    if not n:
+        return ""
+    return (f"The records of {n} of these runs were lost with the machine that trained them, before records "
+            "were committed; theirs in runs/etth1/ were rebuilt from the page as published then: each run's "
+            "test MSE and MAE exact, its epochs, time an epoch and peak memory its own where that page gave "
+            "them and otherwise its cell's (each record's `recovered` field says which), and their swap "
+            "tables to that page's precision.")
+
+
 def _paragraph(text: str) -> list[str]:
     """A paragraph of results.md, or nothing where ``text`` is empty."""
     return [text, ""] if text else []
@@ -573,6 +588,7 @@ def report(runs: Path, docs: Path) -> None:
         *([] if finished == len(grid()) else [
             f"**The grid is still training: {finished} of its {len(grid())} runs have finished** "
             "(`benchmarks/forecast_results.py --list` shows which); a cell without a run reads —.", ""]),
+        *_paragraph(recovered_note(found)),
         "## The protocol table", "", *protocol_table(rows), "",
         "Against the paper and the best published result:", "", *against_table(rows, seed0, noise), "",
         "## With RevIN", "",

@@ -215,3 +215,14 @@ def test_swap_table_sets_each_swap_beside_the_seed_0_run_trained_with_it(tmp_pat
         "prob_sparse": {"mse": 0.120, "notes": []}}))
     assert fr.swap_table(tmp_path, seed0_of(tmp_path))[6].startswith(f"| {fr.AVERAGE} |")
     assert table[8].startswith("Swapped in without retraining: 10–50 % above, some of it lost: prob_sparse.")
+
+
+def test_report_says_which_records_were_rebuilt(tmp_path):
+    finish(tmp_path, protocol("full", 24, 0), 0.06)
+    fr.report(tmp_path, tmp_path / "docs")
+    assert "rebuilt" not in (tmp_path / "docs" / "results.md").read_text()
+    record = tmp_path / protocol("full", 24, 0).name / "metrics.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "recovered": "how"}))
+    finish(tmp_path, protocol("full", 24, 1), 0.07)
+    fr.report(tmp_path, tmp_path / "docs")
+    assert "The records of 1 of these runs were lost" in (tmp_path / "docs" / "results.md").read_text()
