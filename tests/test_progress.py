@@ -33,3 +33,14 @@ def test_lines_on_each_new_description_on_completion_and_every_interval():
     bar.update(task, advance=1)
     bar.update(task, advance=1)
     assert len(out.getvalue().splitlines()) == 2
+
+
+def test_a_tasks_first_update_prints_soon_after_boot(monkeypatch):
+    """time.monotonic counts from boot: ten seconds after it, a first update is still a line."""
+    import attnzoo.progress as module
+
+    monkeypatch.setattr(module.time, "monotonic", lambda: 10.0)
+    out = io.StringIO()
+    bar = progress(Console(file=out, width=200), every_s=3600)
+    bar.update(bar.add_task("epochs", total=2), completed=1)
+    assert out.getvalue().splitlines() == ["epochs 1/2  (0:00)"]

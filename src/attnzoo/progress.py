@@ -8,6 +8,7 @@ in a log file (where rich's live bars draw nothing until the end).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -44,7 +45,7 @@ class LineProgress:
     def add_task(self, description: str, total: float | None = None, **fields: Any) -> int:
         task = len(self.tasks)
         self.tasks[task] = {"description": description, "total": total, "completed": 0, "fields": fields,
-                            "printed": 0.0}
+                            "printed": -math.inf}  # a task's first update prints, however soon after boot
         return task
 
     def reset(self, task: int, *, total: float | None = None, description: str | None = None,

@@ -57,6 +57,17 @@ def test_times_t_into_leaves_to_mkl_what_onednn_does_not_take(monkeypatch, onedn
     assert len(onednn_calls) == 1
 
 
+@needs_onednn
+@pytest.mark.parametrize("n, m, k", [(0, 3, 4), (6, 0, 4), (6, 3, 0)])
+def test_times_t_into_leaves_an_empty_product_to_torch(onednn_calls, n, m, k):
+    """An empty batch (or width) is torch's empty or zero product, never a block size of zero rows."""
+    a, w, b = torch.randn(n, k), torch.randn(m, k), torch.randn(m)
+    with torch.no_grad():
+        out = _products.times_t_into(torch.full((n, m), float("nan")), a, w, b)
+    torch.testing.assert_close(out, a @ w.t() + b)
+    assert onednn_calls == []
+
+
 def _step(layer, x):
     layer.zero_grad(set_to_none=True)
     x.grad = None

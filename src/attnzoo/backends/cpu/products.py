@@ -49,12 +49,12 @@ _LINEAR = _onednn_op()
 
 def by_onednn(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``a wᵀ + bias`` goes to oneDNN: float32 on a CPU, ``a`` 2-D and contiguous, no
-    autograd (the op has no derivative), oneDNN built in and not turned off
-    (``torch.backends.mkldnn.enabled``)."""
+    autograd (the op has no derivative), no empty dimension (an empty product stays with torch),
+    oneDNN built in and not turned off (``torch.backends.mkldnn.enabled``)."""
     return (USE_ONEDNN and _LINEAR is not None and torch.backends.mkldnn.enabled
             and not torch.is_grad_enabled() and a.device.type == "cpu" and a.dim() == 2 == w.dim()
             and a.dtype == w.dtype == torch.float32 and (bias is None or bias.dtype == a.dtype)
-            and a.is_contiguous() and a.shape[1] > 0)
+            and a.is_contiguous() and a.numel() > 0 and w.shape[0] > 0)
 
 
 def times_t_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
