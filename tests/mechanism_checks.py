@@ -29,7 +29,11 @@ DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
 def cases(*, causal=True, cross=True, H=(1, 3), L=(1, 40), D=(1, 6), Dv=False, **options):
     """Hypothesis strategy of check_against_reference's keyword arguments: random shapes
     (odd lengths, Lq != Lk unless ``cross=False``, B and H > 1), masks, causality, and the
-    mechanism's options drawn from the strategies given as keywords."""
+    mechanism's options drawn from the strategies given as keywords.
+
+    With ``Dv``, Dv is D or D reflected in its range (lo + hi - D): every width on either side,
+    equal and unequal, from few (D, Dv) pairs, as the native kernels are compiled once a pair
+    (seconds each, on every fresh machine)."""
     fields = {
         "B": st.integers(1, 2), "H": st.integers(*H), "Lq": st.integers(*L), "D": st.integers(*D),
         "masked": st.booleans(), "seed": st.integers(0, 999),
@@ -39,8 +43,11 @@ def cases(*, causal=True, cross=True, H=(1, 3), L=(1, 40), D=(1, 6), Dv=False, *
     if cross:
         fields["Lk"] = st.integers(*L)
     if Dv:
-        fields["Dv"] = st.integers(1, 6)
+        fields["reflected"] = st.booleans()
     strategy = st.fixed_dictionaries(fields)
+    if Dv:
+        strategy = strategy.map(lambda case: {**{k: x for k, x in case.items() if k != "reflected"},
+                                              "Dv": sum(D) - case["D"] if case["reflected"] else case["D"]})
     return strategy if cross else strategy.map(lambda case: {**case, "Lk": case["Lq"]})
 
 

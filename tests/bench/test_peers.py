@@ -324,18 +324,6 @@ def test_report_takes_full_attentions_ratio_from_the_paired_calls():
     assert "Full attention's time ratios (‡)" in text
 
 
-def test_parent_runs_cheap_cells_more_rounds(tmp_path):
-    out = tmp_path / "perf.md"
-    argv = ["--only", "taylor", "--lengths", "17", "--repeats", "1", "--no-backward", "--rounds", "1",
-            "--cheap-rounds", "2", "--out", str(out)]
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers.py"), *argv], capture_output=True,
-                   text=True, check=True)
-    doc = json.loads(out.with_suffix(".json").read_text())
-    assert doc["cells"]["taylor/17"]["ours"]["rounds"] == 2
-    assert doc["cells"]["full/17"]["ours"]["rounds"] == 2  # SDPA, added for the ratio
-    assert "2 where every round of a side took under" in out.read_text()
-
-
 def test_memory_is_the_median_of_every_memory_call(monkeypatch):
     """Cheap calls are measured MEMORY_CALLS times a process, slow ones once; a cell's memory
     is the median over every call of every round."""
