@@ -28,7 +28,7 @@ patterns: $(STAMP)
 PORTABLE_TESTS = tests/test_differential.py tests/test_nn.py $(filter-out tests/test_cli.py tests/test_readme.py \
 	tests/test_layers.py tests/test_differential.py tests/test_nn.py tests/test_swap.py tests/test_hf.py \
 	tests/test_nan_containment.py tests/test_precision.py tests/test_compile.py tests/test_progress.py \
-	tests/test_edge_inputs.py,$(wildcard tests/test_*.py))
+	tests/test_edge_inputs.py tests/test_machine.py,$(wildcard tests/test_*.py))
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,8 +335,14 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
             "mse_each_seed": mse, "mae_each_seed": [m["test"]["mae"] for _, m in done],
             "epochs": statistics.mean(m["epochs_run"] for _, m in done),
             "seconds_per_epoch": statistics.mean(seconds) if seconds else None,
-            "peak_rss_mib": max(peak) if peak else None, **WIDTH,
+            "peak_rss_mib": max(peak) if peak else None, "cpu": _cpu(m for _, m in done), **WIDTH,
             "command": "attnzoo " + " ".join(run.args()).replace(f"--seed {run.seed}", "--seed {seed}")}
+
+
+def _cpu(records) -> str | None:
+    """The CPU the runs trained on, where it is one and every record gives it; else None."""
+    cpus = {m.get("cpu") for m in records}
+    return cpus.pop() if len(cpus) == 1 else None
 
 
 def _fmt(row: dict | None, key: str) -> str:
@@ -463,12 +470,19 @@ def length_summary(seed0: dict[tuple, dict], noise: float) -> list[str]:
         (n0, first), (n1, last) = found[0], found[-1]
         grow = [f"×{last[key] / first[key]:.1f}" if first[key] and last[key] else "—"
                 for key in ("seconds_per_epoch", "peak_rss_mib")]
+        if not _one_machine([first, last]):
+            grow[0] = "— (two CPUs)"
         lines.append(f"| {mech} | {best_n} ({best['mse']:.3f}) | {enough} | {n0} → {n1} | "
                      f"{' | '.join(grow)} |")
     if not lines:
         return []
     return [f"| mechanism | best input (test MSE) | shortest input within {noise:.3f} of its best | "
             "inputs compared | time an epoch | peak memory |", "|---|---|---|---|---|---|", *lines]
+
+
+def _one_machine(rows: list[dict]) -> bool:
+    """Whether ``rows`` were all timed on one CPU (and each says which): times compare only then."""
+    return all(r.get("cpu") for r in rows) and len({r["cpu"] for r in rows}) == 1
 
 
 def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
@@ -489,15 +503,16 @@ def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
 
 
 def length_table(rows: dict[tuple, dict]) -> list[str]:
-    lines = ["| mechanism | input | test MSE | test MAE | s / epoch | peak memory (MiB) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| mechanism | input | test MSE | test MAE | s / epoch | peak memory (MiB) | CPU |",
+             "|---|---|---|---|---|---|---|"]
     for mech in LENGTH_MECHANISMS:
         for n in LENGTHS:
             r = rows.get((mech, n, LENGTH_LABEL[n], 168, False))
             if r is not None:
                 sec = f"{r['seconds_per_epoch']:.0f}" if r["seconds_per_epoch"] else "—"
                 mem = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "—"
-                lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} |")
+                lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | "
+                             f"{r.get('cpu') or 'not recorded'} |")
     return lines
 
 
@@ -508,21 +523,27 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    study = {mech: [(n, r) for n in LENGTHS if (r := rows.get((mech, n, LENGTH_LABEL[n], 168, False)))]
+             for mech in LENGTH_MECHANISMS}
+    # times compare on one CPU alone: the one most of the study's runs were timed on
+    timed = Counter(r.get("cpu") for found in study.values() for _, r in found if r["seconds_per_epoch"])
+    cpu = timed.most_common(1)[0][0] if timed else None
     drawn = False
-    for mech in LENGTH_MECHANISMS:
-        found = [(n, rows[key]) for n in LENGTHS if (key := (mech, n, LENGTH_LABEL[n], 168, False)) in rows]
+    for mech, found in study.items():
         if not found:
             continue
         drawn = True
         for ax, key in zip(axes, ("mse", "seconds_per_epoch", "peak_rss_mib"), strict=True):
-            pts = [(n, r[key]) for n, r in found if r[key] is not None]
+            pts = [(n, r[key]) for n, r in found
+                   if r[key] is not None and (key != "seconds_per_epoch" or r.get("cpu") == cpu)]
             ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=mech)
     if not drawn:
         plt.close(fig)
         return False
     axes[0].axhline(S4[168], color="gray", linestyle=":", label="S4, best published")
-    for ax, title in zip(axes, ("test MSE at horizon 168", "time an epoch, training and validation (s)",
-                                "peak memory of the run (MiB)"), strict=True):
+    for ax, title in zip(axes, ("test MSE at horizon 168", f"time an epoch (s), training and validation,\n"
+                                f"runs on {cpu or 'a CPU not recorded'}", "peak memory of the run (MiB)"),
+                         strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xticks(LENGTHS, [str(n) for n in LENGTHS])
         ax.set_xlabel("input length (steps)")
@@ -545,8 +566,8 @@ def recovered_note(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
     return (f"The records of {n} of these runs were lost with the machine that trained them, before records "
             "were committed; theirs in runs/etth1/ were rebuilt from the page as published then: each run's "
             "test MSE and MAE exact, its epochs, time an epoch and peak memory its own where that page gave "
-            "them and otherwise its cell's (each record's `recovered` field says which), and their swap "
-            "tables to that page's precision.")
+            "them and otherwise its cell's, its CPU inferred (each record's `recovered` field says which), "
+            "and their swap tables to that page's precision.")
 
 
 def _paragraph(text: str) -> list[str]:
@@ -576,7 +597,8 @@ def report(runs: Path, docs: Path) -> None:
         "self-attention use the named mechanism at its defaults; cross-attention is full, as in Informer.",
         "",
         f"Width: d_model {WIDTH['d_model']}, {WIDTH['n_heads']} heads, d_ff {WIDTH['d_ff']}, against the "
-        "paper's 512, 8 and 2048. Measured on this 2-core machine (one training step of 32 windows, "
+        "paper's 512, 8 and 2048. Measured on the 2-core Intel Xeon of the first runs (one training step "
+        "of 32 windows, "
         "prob_sparse, 720-step input, horizon 168): the paper's width 13.0 s on 2 threads (about an hour "
         "an epoch of ~250 steps, 6 hours a run, 70 hours for the 12 runs of prob_sparse and full); "
         "d_model 256 6.9 s and d_model 128 2.7 s on one thread each, two runs side by side. "
@@ -601,7 +623,8 @@ def report(runs: Path, docs: Path) -> None:
         "Horizon 168, seed 0; decoder start token 48, 168, 336, 336 steps for inputs 96, 336, 720, 1440. "
         "Seconds per epoch are of training and validation, with a second run beside it on the other "
         "core; peak memory is the run's peak resident memory (the highest of its processes, where it was "
-        "resumed).", "",
+        "resumed). Times compare only between runs on one CPU (its column): the grid has run on more "
+        "than one machine.", "",
         *length_table(seed0), "",
         *([f"![test MSE, time and memory against input length]({PICTURE})", ""] if pictured else []),
         *(["Per mechanism: its best input, the shortest input that forecasts as well (within the largest "

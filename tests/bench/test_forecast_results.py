@@ -19,13 +19,13 @@ spec.loader.exec_module(fr)
 
 
 def finish(runs: Path, run, mse: float, mae: float = 0.2, seconds: float = 600.0, epochs: int = 5,
-           peak: float = 1500.0) -> None:
+           peak: float = 1500.0, cpu: str = "CPU A") -> None:
     """Write the metrics.json a finished run leaves."""
     out = runs / run.name
     out.mkdir(parents=True)
     (out / "metrics.json").write_text(json.dumps({
         "test": {"mse": mse, "mae": mae}, "epochs_run": epochs, "seconds_per_epoch": seconds,
-        "peak_rss_mib": peak}))
+        "peak_rss_mib": peak, "cpu": cpu}))
 
 
 def protocol(mech: str, h: int, seed: int = 0, revin: bool = False):
@@ -193,6 +193,12 @@ def test_length_summary_finds_the_shortest_input_as_good_as_the_best(tmp_path):
     study("full", 336, 0.1, None, None)  # a run that did not measure its cost: none said
     assert "| full | 336 (0.100) | 336 | 96 → 336 | — | — |" in fr.length_summary(seed0_of(tmp_path), 0.0)
     assert fr.length_summary({}, 0.0) == []
+    # timed on another machine: its time is not set against the first's; its memory is
+    finish(tmp_path, fr.Run("prob_sparse", 96, 48, 168, 0), 0.2, seconds=100, peak=1000)
+    finish(tmp_path, fr.Run("prob_sparse", 720, 336, 168, 0), 0.1, seconds=900, peak=2000, cpu="CPU B")
+    assert "| prob_sparse | 720 (0.100) | 720 | 96 → 720 | — (two CPUs) | ×2.0 |" \
+        in fr.length_summary(seed0_of(tmp_path), 0.0)
+    assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 | 2000 | CPU B |" in fr.length_table(seed0_of(tmp_path))
 
 
 def test_swap_table_sets_each_swap_beside_the_seed_0_run_trained_with_it(tmp_path):

@@ -118,14 +118,18 @@ def test_resume_continues_exactly(tmp_path):
     assert not list((tmp_path / "b").glob("*.tmp"))
 
 
-def test_peak_memory_is_the_runs_across_a_resume(tmp_path, monkeypatch):
+def test_peak_memory_and_cpus_are_the_runs_across_a_resume(tmp_path, monkeypatch):
     # The process that trained epoch 1 peaked higher than the one resumed for epoch 2 and the test:
-    # the run's peak is the first one's, not the last process's alone.
+    # the run's peak is the first one's, not the last process's alone; and it was resumed on
+    # another machine, so its time an epoch is two CPUs'.
     module = sys.modules[TrainConfig.__module__]
     monkeypatch.setattr(module, "peak_rss_mib", lambda: 5000.0)
+    monkeypatch.setattr(module, "cpu_name", lambda: "CPU A")
     train(_cfg(tmp_path, "p", stop_after_epochs=1))
     monkeypatch.setattr(module, "peak_rss_mib", lambda: 100.0)
-    assert train(_cfg(tmp_path, "p", resume=True))["peak_rss_mib"] == 5000.0
+    monkeypatch.setattr(module, "cpu_name", lambda: "CPU B")
+    metrics = train(_cfg(tmp_path, "p", resume=True))
+    assert metrics["peak_rss_mib"] == 5000.0 and metrics["cpu"] == "CPU A + CPU B"
     monkeypatch.setattr(module, "peak_rss_mib", lambda: None)  # no resource module: no figure
     assert train(_cfg(tmp_path, "q"))["peak_rss_mib"] is None
 

@@ -20,6 +20,7 @@ import torch
 
 import attnzoo
 from attnzoo.bench.measure import Shape, matmul_gflops, memory_env
+from attnzoo.machine import cpu_name
 
 
 def _default_mem_cap_gib() -> float:
@@ -61,14 +62,8 @@ class BenchConfig:
 
 
 def machine_info(threads: int) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+        "cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "attnzoo": attnzoo.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from attnzoo.data import ETTH1, load_forecast_data
+from attnzoo.machine import cpu_name
 from attnzoo.models.informer import Informer, InformerConfig
 
 
@@ -189,6 +190,12 @@ def _run_peak(saved: float | None) -> float | None:
     return max((p for p in (saved, peak_rss_mib()) if p is not None), default=None)
 
 
+def _run_cpus(saved: list[str] | None) -> list[str]:
+    """The CPUs the run has trained on: ``saved`` (those before a resume) and this machine's, each
+    once, so that a time an epoch is never read as one machine's when it is two's."""
+    return list(dict.fromkeys([*(saved or []), cpu_name()]))
+
+
 def _bare(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
@@ -247,6 +254,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
 
     def checkpoint(rng: list) -> None:
         state["peak_rss_mib"] = _run_peak(state.get("peak_rss_mib"))
+        state["cpus"] = _run_cpus(state.get("cpus"))
         save_atomic({"model": _bare(model).state_dict(), "optimiser": optimiser.state_dict(),
                      "scheduler": scheduler.state_dict(), "rng": rng, "state": state,
                      "config": dataclasses.asdict(cfg), "world": world}, checkpoint_path)
@@ -318,7 +326,8 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                "model": dataclasses.asdict(model_cfg), "data": cfg.data, "target": cfg.target,
                "features": cfg.features, "world_size": world, "seed": cfg.seed,
                "seconds_per_epoch": _mean([r["seconds"] for r in state["history"] if "seconds" in r]),
-               "peak_rss_mib": _run_peak(state.get("peak_rss_mib"))}
+               "peak_rss_mib": _run_peak(state.get("peak_rss_mib")),
+               "cpu": " + ".join(_run_cpus(state.get("cpus")))}
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         plot_forecasts(_bare(model), data, device, out / "forecast.png", cfg.plot_windows)
