@@ -491,15 +491,22 @@ def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
             if run.seq_len == SEQ_LEN and m.get("seconds_per_epoch")]
     if not done:
         return ""
-    per_epoch_min = [m["seconds_per_epoch"] / 60 for m in done]
-    per_run_min = [m["seconds_per_epoch"] * m["epochs_run"] / 60 for m in done]
+    by_cpu: dict[str | None, list[dict]] = {}
+    for m in done:
+        by_cpu.setdefault(m.get("cpu"), []).append(m)
 
     def span(xs: list[float]) -> str:
         lo, hi = f"{min(xs):.0f}", f"{max(xs):.0f}"
         return lo if lo == hi else f"{lo}–{hi}"
 
+    def pace(cpu: str | None, ms: list[dict]) -> str:
+        runs = "" if len(by_cpu) == 1 else f" ({_count(len(ms), 'run')})"
+        return (f"on {cpu or 'a CPU not recorded'}{runs}: {span([m['seconds_per_epoch'] / 60 for m in ms])} "
+                f"minutes an epoch, {span([m['seconds_per_epoch'] * m['epochs_run'] / 60 for m in ms])} "
+                "minutes a run")
+
     return (f"Measured over the {_count(len(done), 'finished run')} at a 720-step input, two runs side by "
-            f"side: {span(per_epoch_min)} minutes an epoch, {span(per_run_min)} minutes a run. ")
+            f"side, {'; '.join(pace(cpu, ms) for cpu, ms in by_cpu.items())}. ")
 
 
 def length_table(rows: dict[tuple, dict]) -> list[str]:

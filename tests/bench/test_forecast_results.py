@@ -99,7 +99,8 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
         "raises it in 0, and leaves 1 level." in md
     assert "Informer (prob_sparse), paper" not in md.split("## With RevIN")[1].split("##")[0]
     assert "| prob_sparse | 720 | 0.100 | 0.200 |" in md  # seed 0 of the protocol's two
-    assert "7 finished runs at a 720-step input, two runs side by side: 10–20 minutes an epoch, 50–60 " in md
+    assert "7 finished runs at a 720-step input, two runs side by side, on CPU A: 10–20 minutes an epoch, " \
+        "50–60 " in md
     assert "| linear | 336 (0.150) | 336 | 96 → 336 | ×3.5 | ×1.0 |" in md
     assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
 
@@ -112,9 +113,13 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
 
 def test_pace_of_one_run(tmp_path):
     finish(tmp_path, protocol("lsh", 48), 0.1, seconds=300, epochs=4)
-    assert fr.grid_pace(fr.cells(tmp_path, fr.grid())).startswith(
-        "Measured over the 1 finished run at a 720-step input, two runs side by side: 5 minutes an epoch, "
-        "20 minutes a run.")
+    assert fr.grid_pace(fr.cells(tmp_path, fr.grid())) == (
+        "Measured over the 1 finished run at a 720-step input, two runs side by side, on CPU A: 5 minutes an "
+        "epoch, 20 minutes a run. ")
+    finish(tmp_path, protocol("lsh", 24), 0.1, seconds=600, epochs=6, cpu="CPU B")  # another machine: apart
+    assert fr.grid_pace(fr.cells(tmp_path, fr.grid())) == (
+        "Measured over the 2 finished runs at a 720-step input, two runs side by side, on CPU B (1 run): 10 "
+        "minutes an epoch, 60 minutes a run; on CPU A (1 run): 5 minutes an epoch, 20 minutes a run. ")
 
 
 def test_report_without_runs_says_so(tmp_path):
