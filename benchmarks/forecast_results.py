@@ -326,7 +326,10 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
     ``seeds``)."""
     run = done[0][0]
     mse = [m["test"]["mse"] for _, m in done]
-    seconds = [m["seconds_per_epoch"] for _, m in done if m.get("seconds_per_epoch")]
+    cpu = _cpu([m for _, m in done])
+    # times of two machines are not averaged: a cell whose seeds ran on different CPUs has none
+    mixed = cpu is None and any(m.get("cpus") for _, m in done)
+    seconds = [m["seconds_per_epoch"] for _, m in done if m.get("seconds_per_epoch") and not mixed]
     peak = [m["peak_rss_mib"] for _, m in done if m.get("peak_rss_mib")]
     return {"mechanism": run.mech, "seq_len": run.seq_len, "label_len": run.label_len,
             "pred_len": run.pred_len, "features": "S", "revin": run.revin,
@@ -335,14 +338,14 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
             "mse_each_seed": mse, "mae_each_seed": [m["test"]["mae"] for _, m in done],
             "epochs": statistics.mean(m["epochs_run"] for _, m in done),
             "seconds_per_epoch": statistics.mean(seconds) if seconds else None,
-            "peak_rss_mib": max(peak) if peak else None, "cpu": _cpu(m for _, m in done), **WIDTH,
+            "peak_rss_mib": max(peak) if peak else None, "cpu": cpu, **WIDTH,
             "command": "attnzoo " + " ".join(run.args()).replace(f"--seed {run.seed}", "--seed {seed}")}
 
 
-def _cpu(records) -> str | None:
-    """The CPU the runs trained on, where it is one and every record gives it; else None."""
-    cpus = {m.get("cpu") for m in records}
-    return cpus.pop() if len(cpus) == 1 else None
+def _cpu(records: list[dict]) -> str | None:
+    """The CPU every run of ``records`` trained on alone, where there is one and each names it."""
+    cpus = {tuple(m.get("cpus") or ()) for m in records}
+    return cpus.pop()[0] if len(cpus) == 1 and len(next(iter(cpus))) == 1 else None
 
 
 def _fmt(row: dict | None, key: str) -> str:
@@ -470,8 +473,8 @@ def length_summary(seed0: dict[tuple, dict], noise: float) -> list[str]:
         (n0, first), (n1, last) = found[0], found[-1]
         grow = [f"×{last[key] / first[key]:.1f}" if first[key] and last[key] else "—"
                 for key in ("seconds_per_epoch", "peak_rss_mib")]
-        if not _one_machine([first, last]):
-            grow[0] = "— (two CPUs)"
+        if grow[0] != "—" and (first["cpu"] is None or first["cpu"] != last["cpu"]):
+            grow[0] = "— (two CPUs)" if first["cpu"] and last["cpu"] else "— (CPU not recorded)"
         lines.append(f"| {mech} | {best_n} ({best['mse']:.3f}) | {enough} | {n0} → {n1} | "
                      f"{' | '.join(grow)} |")
     if not lines:
@@ -480,28 +483,23 @@ def length_summary(seed0: dict[tuple, dict], noise: float) -> list[str]:
             "inputs compared | time an epoch | peak memory |", "|---|---|---|---|---|---|", *lines]
 
 
-def _one_machine(rows: list[dict]) -> bool:
-    """Whether ``rows`` were all timed on one CPU (and each says which): times compare only then."""
-    return all(r.get("cpu") for r in rows) and len({r["cpu"] for r in rows}) == 1
-
-
 def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
     """What an epoch and a run of the protocol's 720-step runs took, measured (``found``: :func:`cells`)."""
     done = [m for cell in found.values() for run, m in cell
             if run.seq_len == SEQ_LEN and m.get("seconds_per_epoch")]
     if not done:
         return ""
-    by_cpu: dict[str | None, list[dict]] = {}
+    by_cpu: dict[str, list[dict]] = {}
     for m in done:
-        by_cpu.setdefault(m.get("cpu"), []).append(m)
+        by_cpu.setdefault(" + ".join(m.get("cpus") or ["a CPU not recorded"]), []).append(m)
 
     def span(xs: list[float]) -> str:
         lo, hi = f"{min(xs):.0f}", f"{max(xs):.0f}"
         return lo if lo == hi else f"{lo}–{hi}"
 
-    def pace(cpu: str | None, ms: list[dict]) -> str:
+    def pace(cpu: str, ms: list[dict]) -> str:
         runs = "" if len(by_cpu) == 1 else f" ({_count(len(ms), 'run')})"
-        return (f"on {cpu or 'a CPU not recorded'}{runs}: {span([m['seconds_per_epoch'] / 60 for m in ms])} "
+        return (f"on {cpu}{runs}: {span([m['seconds_per_epoch'] / 60 for m in ms])} "
                 f"minutes an epoch, {span([m['seconds_per_epoch'] * m['epochs_run'] / 60 for m in ms])} "
                 "minutes a run")
 
@@ -519,7 +517,7 @@ def length_table(rows: dict[tuple, dict]) -> list[str]:
                 sec = f"{r['seconds_per_epoch']:.0f}" if r["seconds_per_epoch"] else "—"
                 mem = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "—"
                 lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | "
-                             f"{r.get('cpu') or 'not recorded'} |")
+                             f"{r['cpu'] or 'not recorded, or several'} |")
     return lines
 
 
@@ -533,7 +531,8 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
     study = {mech: [(n, r) for n in LENGTHS if (r := rows.get((mech, n, LENGTH_LABEL[n], 168, False)))]
              for mech in LENGTH_MECHANISMS}
     # times compare on one CPU alone: the one most of the study's runs were timed on
-    timed = Counter(r.get("cpu") for found in study.values() for _, r in found if r["seconds_per_epoch"])
+    timed = Counter(r["cpu"] for found in study.values() for _, r in found
+                    if r["seconds_per_epoch"] and r["cpu"])
     cpu = timed.most_common(1)[0][0] if timed else None
     drawn = False
     for mech, found in study.items():
@@ -542,14 +541,14 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
         drawn = True
         for ax, key in zip(axes, ("mse", "seconds_per_epoch", "peak_rss_mib"), strict=True):
             pts = [(n, r[key]) for n, r in found
-                   if r[key] is not None and (key != "seconds_per_epoch" or r.get("cpu") == cpu)]
+                   if r[key] is not None and (key != "seconds_per_epoch" or r["cpu"] == cpu is not None)]
             ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=mech)
     if not drawn:
         plt.close(fig)
         return False
     axes[0].axhline(S4[168], color="gray", linestyle=":", label="S4, best published")
     for ax, title in zip(axes, ("test MSE at horizon 168", f"time an epoch (s), training and validation,\n"
-                                f"runs on {cpu or 'a CPU not recorded'}", "peak memory of the run (MiB)"),
+                                f"runs on {cpu or 'a recorded CPU: none'}", "peak memory of the run (MiB)"),
                          strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xticks(LENGTHS, [str(n) for n in LENGTHS])
@@ -570,11 +569,12 @@ def recovered_note(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
     n = sum("recovered" in m for done in found.values() for _, m in done)
     if not n:
         return ""
-    return (f"The records of {n} of these runs were lost with the machine that trained them, before records "
-            "were committed; theirs in runs/etth1/ were rebuilt from the page as published then: each run's "
-            "test MSE and MAE exact, its epochs, time an epoch and peak memory its own where that page gave "
-            "them and otherwise its cell's, its CPU inferred (each record's `recovered` field says which), "
-            "and their swap tables to that page's precision.")
+    return (f"The records of {_count(n, 'finished run')} were lost with the machine that trained them, "
+            "before records were committed; theirs in runs/etth1/ were rebuilt from the page as published "
+            "then: each run's test MSE and MAE exact; its epochs, time an epoch and peak memory its own "
+            "where that page gave them, otherwise its cell's (the mean over its seeds, their peak); its CPU "
+            "inferred (each record's `recovered` field says which values are its own); and their swap "
+            "tables to that page's precision.")
 
 
 def _paragraph(text: str) -> list[str]:
@@ -630,8 +630,7 @@ def report(runs: Path, docs: Path) -> None:
         "Horizon 168, seed 0; decoder start token 48, 168, 336, 336 steps for inputs 96, 336, 720, 1440. "
         "Seconds per epoch are of training and validation, with a second run beside it on the other "
         "core; peak memory is the run's peak resident memory (the highest of its processes, where it was "
-        "resumed). Times compare only between runs on one CPU (its column): the grid has run on more "
-        "than one machine.", "",
+        "resumed). Times compare only between runs on one CPU (its column).", "",
         *length_table(seed0), "",
         *([f"![test MSE, time and memory against input length]({PICTURE})", ""] if pictured else []),
         *(["Per mechanism: its best input, the shortest input that forecasts as well (within the largest "
@@ -673,7 +672,8 @@ def main() -> int:
             started = time.monotonic()
             print(f"{time.strftime('%H:%M')}  start  {run.name}", flush=True)
             ended = train(runs, run)
-            if swap_source(run) and metrics(runs, run) is not None:
+            record = metrics(runs, run)  # (a record rebuilt after its machine was lost has no weights)
+            if swap_source(run) and record is not None and "recovered" not in record:
                 try:
                     with _ONE_SWAP_AT_A_TIME:  # it seeds torch's global generator
                         swap(runs, run)

@@ -31,9 +31,9 @@ def cases(*, causal=True, cross=True, H=(1, 3), L=(1, 40), D=(1, 6), Dv=False, *
     (odd lengths, Lq != Lk unless ``cross=False``, B and H > 1), masks, causality, and the
     mechanism's options drawn from the strategies given as keywords.
 
-    With ``Dv``, Dv is D or D reflected in its range (lo + hi - D): every width on either side,
-    equal and unequal, from few (D, Dv) pairs, as the native kernels are compiled once a pair
-    (seconds each, on every fresh machine)."""
+    With ``Dv``, Dv is D or D reflected in 1..6 (7 - D, whatever D's range): every width from 1 to 6
+    on either side, equal and unequal, from few (D, Dv) pairs, as the native kernels are compiled
+    once a pair (seconds each, on every fresh machine)."""
     fields = {
         "B": st.integers(1, 2), "H": st.integers(*H), "Lq": st.integers(*L), "D": st.integers(*D),
         "masked": st.booleans(), "seed": st.integers(0, 999),
@@ -46,8 +46,12 @@ def cases(*, causal=True, cross=True, H=(1, 3), L=(1, 40), D=(1, 6), Dv=False, *
         fields["reflected"] = st.booleans()
     strategy = st.fixed_dictionaries(fields)
     if Dv:
-        strategy = strategy.map(lambda case: {**{k: x for k, x in case.items() if k != "reflected"},
-                                              "Dv": sum(D) - case["D"] if case["reflected"] else case["D"]})
+        def with_dv(case):
+            reflected = min(max(7 - case["D"], 1), 6)
+            return {**{k: x for k, x in case.items() if k != "reflected"},
+                    "Dv": reflected if case["reflected"] else case["D"]}
+
+        strategy = strategy.map(with_dv)
     return strategy if cross else strategy.map(lambda case: {**case, "Lk": case["Lq"]})
 
 

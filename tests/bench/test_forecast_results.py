@@ -25,7 +25,7 @@ def finish(runs: Path, run, mse: float, mae: float = 0.2, seconds: float = 600.0
     out.mkdir(parents=True)
     (out / "metrics.json").write_text(json.dumps({
         "test": {"mse": mse, "mae": mae}, "epochs_run": epochs, "seconds_per_epoch": seconds,
-        "peak_rss_mib": peak, "cpu": cpu}))
+        "peak_rss_mib": peak, "cpus": [cpu] if cpu else []}))
 
 
 def protocol(mech: str, h: int, seed: int = 0, revin: bool = False):
@@ -204,6 +204,18 @@ def test_length_summary_finds_the_shortest_input_as_good_as_the_best(tmp_path):
     assert "| prob_sparse | 720 (0.100) | 720 | 96 → 720 | — (two CPUs) | ×2.0 |" \
         in fr.length_summary(seed0_of(tmp_path), 0.0)
     assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 | 2000 | CPU B |" in fr.length_table(seed0_of(tmp_path))
+    finish(tmp_path, fr.Run("log_sparse", 96, 48, 168, 0), 0.2, seconds=100)
+    finish(tmp_path, fr.Run("log_sparse", 336, 168, 168, 0), 0.1, seconds=300, cpu=None)  # not recorded
+    assert "| log_sparse | 336 (0.100) | 336 | 96 → 336 | — (CPU not recorded) | ×1.0 |" \
+        in fr.length_summary(seed0_of(tmp_path), 0.0)
+
+
+def test_a_cells_time_is_of_one_cpu(tmp_path):
+    """Seeds trained on two machines: their times are not averaged into one; their MSE is."""
+    finish(tmp_path, protocol("full", 24, 0), 0.06, seconds=600, cpu="CPU A")
+    finish(tmp_path, protocol("full", 24, 1), 0.08, seconds=900, cpu="CPU B")
+    (row,) = [fr.summary(done) for done in fr.cells(tmp_path, fr.grid()).values()]
+    assert row["mse"] == pytest.approx(0.07) and row["seconds_per_epoch"] is None and row["cpu"] is None
 
 
 def test_swap_table_sets_each_swap_beside_the_seed_0_run_trained_with_it(tmp_path):
@@ -236,4 +248,4 @@ def test_report_says_which_records_were_rebuilt(tmp_path):
     record.write_text(json.dumps({**json.loads(record.read_text()), "recovered": "how"}))
     finish(tmp_path, protocol("full", 24, 1), 0.07)
     fr.report(tmp_path, tmp_path / "docs")
-    assert "The records of 1 of these runs were lost" in (tmp_path / "docs" / "results.md").read_text()
+    assert "The records of 1 finished run were lost" in (tmp_path / "docs" / "results.md").read_text()

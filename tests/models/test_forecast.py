@@ -120,16 +120,22 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_peak_memory_and_cpus_are_the_runs_across_a_resume(tmp_path, monkeypatch):
     # The process that trained epoch 1 peaked higher than the one resumed for epoch 2 and the test:
-    # the run's peak is the first one's, not the last process's alone; and it was resumed on
-    # another machine, so its time an epoch is two CPUs'.
+    # the run's peak is the first one's, not the last process's alone.
     module = sys.modules[TrainConfig.__module__]
     monkeypatch.setattr(module, "peak_rss_mib", lambda: 5000.0)
     monkeypatch.setattr(module, "cpu_name", lambda: "CPU A")
     train(_cfg(tmp_path, "p", stop_after_epochs=1))
     monkeypatch.setattr(module, "peak_rss_mib", lambda: 100.0)
+    assert train(_cfg(tmp_path, "p", resume=True))["peak_rss_mib"] == 5000.0
+    # Each epoch names the CPUs it trained on: resumed on another machine within epoch 1 (at step 2
+    # of 5), that epoch is two CPUs', the next one the second's; the run's, both, once each.
+    monkeypatch.setattr(module, "cpu_name", lambda: "CPU A")
+    train(_cfg(tmp_path, "c", stop_after_steps=2))
     monkeypatch.setattr(module, "cpu_name", lambda: "CPU B")
-    metrics = train(_cfg(tmp_path, "p", resume=True))
-    assert metrics["peak_rss_mib"] == 5000.0 and metrics["cpu"] == "CPU A + CPU B"
+    metrics = train(_cfg(tmp_path, "c", resume=True))
+    assert [r["cpus"] for r in metrics["history"]] == [["CPU A", "CPU B"], ["CPU B"]]
+    assert metrics["cpus"] == ["CPU A", "CPU B"]
+    assert train(_cfg(tmp_path, "one"))["cpus"] == ["CPU B"]
     monkeypatch.setattr(module, "peak_rss_mib", lambda: None)  # no resource module: no figure
     assert train(_cfg(tmp_path, "q"))["peak_rss_mib"] is None
 

@@ -190,10 +190,10 @@ def _run_peak(saved: float | None) -> float | None:
     return max((p for p in (saved, peak_rss_mib()) if p is not None), default=None)
 
 
-def _run_cpus(saved: list[str] | None) -> list[str]:
-    """The CPUs the run has trained on: ``saved`` (those before a resume) and this machine's, each
-    once, so that a time an epoch is never read as one machine's when it is two's."""
-    return list(dict.fromkeys([*(saved or []), cpu_name()]))
+def _with_this_cpu(cpus: list[str] | None) -> list[str]:
+    """``cpus`` and this machine's CPU, each once: an epoch's, so that its time is never read as one
+    machine's when it was two's (resumed within it on another)."""
+    return list(dict.fromkeys([*(cpus or []), cpu_name()]))
 
 
 def _bare(model: nn.Module) -> nn.Module:
@@ -229,7 +229,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = DataLoader(data.val, batch_size=cfg.batch_size)
     test_loader = DataLoader(data.test, batch_size=cfg.batch_size)
-    within = {"batches_done": 0, "loss_sum": 0.0, "seconds": 0.0}  # of the epoch under way
+    within = {"batches_done": 0, "loss_sum": 0.0, "seconds": 0.0, "epoch_cpus": []}  # of the epoch under way
     state = {"epoch": 0, "best_val": math.inf, "bad_epochs": 0, "history": [], **within}
     checkpoint_path, best_path = out / "checkpoint.pt", out / "best.pt"
     resumed_rng = None
@@ -254,7 +254,6 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
 
     def checkpoint(rng: list) -> None:
         state["peak_rss_mib"] = _run_peak(state.get("peak_rss_mib"))
-        state["cpus"] = _run_cpus(state.get("cpus"))
         save_atomic({"model": _bare(model).state_dict(), "optimiser": optimiser.state_dict(),
                      "scheduler": scheduler.state_dict(), "rng": rng, "state": state,
                      "config": dataclasses.asdict(cfg), "world": world}, checkpoint_path)
@@ -272,6 +271,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                 next(batches)
             _set_rng_state(resumed_rng)
         started = time.perf_counter()  # of the time not yet in state["seconds"]
+        state["epoch_cpus"] = _with_this_cpu(state.get("epoch_cpus"))
         for step, batch in enumerate(batches, start=state["batches_done"]):
             if step >= n_batches:
                 break
@@ -302,7 +302,8 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         state["epoch"] = epoch + 1
         record = {"epoch": epoch + 1, "train_loss": state["loss_sum"] / max(n_batches, 1), "val_mse": val,
                   "lr": optimiser.param_groups[0]["lr"], "improved": improved,
-                  "seconds": state["seconds"] + time.perf_counter() - started}
+                  "seconds": state["seconds"] + time.perf_counter() - started,
+                  "cpus": state["epoch_cpus"]}
         state["history"].append(record)
         state.update(within)
         if world > 1:
@@ -327,7 +328,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                "features": cfg.features, "world_size": world, "seed": cfg.seed,
                "seconds_per_epoch": _mean([r["seconds"] for r in state["history"] if "seconds" in r]),
                "peak_rss_mib": _run_peak(state.get("peak_rss_mib")),
-               "cpu": " + ".join(_run_cpus(state.get("cpus")))}
+               "cpus": list(dict.fromkeys(c for r in state["history"] for c in r.get("cpus", [])))}
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         plot_forecasts(_bare(model), data, device, out / "forecast.png", cfg.plot_windows)
