@@ -338,7 +338,10 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
             "mse_each_seed": mse, "mae_each_seed": [m["test"]["mae"] for _, m in done],
             "epochs": statistics.mean(m["epochs_run"] for _, m in done),
             "seconds_per_epoch": statistics.mean(seconds) if seconds else None,
-            "peak_rss_mib": max(peak) if peak else None, "cpu": cpu, **WIDTH,
+            "peak_rss_mib": max(peak) if peak else None, "cpu": cpu,
+            **({"seconds_note": note} if (note := "; ".join(m["seconds_note"] for _, m in done
+                                                            if m.get("seconds_note"))) else {}),
+            **WIDTH,
             "command": "attnzoo " + " ".join(run.args()).replace(f"--seed {run.seed}", "--seed {seed}")}
 
 
@@ -508,17 +511,22 @@ def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
 
 
 def length_table(rows: dict[tuple, dict]) -> list[str]:
+    """The input-length study's rows, then a line for each time a record says was disturbed (†)."""
     lines = ["| mechanism | input | test MSE | test MAE | s / epoch | peak memory (MiB) | CPU |",
              "|---|---|---|---|---|---|---|"]
+    notes = []
     for mech in LENGTH_MECHANISMS:
         for n in LENGTHS:
             r = rows.get((mech, n, LENGTH_LABEL[n], 168, False))
             if r is not None:
                 sec = f"{r['seconds_per_epoch']:.0f}" if r["seconds_per_epoch"] else "—"
+                if r.get("seconds_note"):
+                    sec += " †"
+                    notes.append(f"† {mech} at {n}: {r['seconds_note']}")
                 mem = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "—"
                 lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | "
                              f"{r['cpu'] or 'not recorded, or several'} |")
-    return lines
+    return lines + (["", *notes] if notes else [])
 
 
 def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
