@@ -522,7 +522,7 @@ def length_table(rows: dict[tuple, dict]) -> list[str]:
                 sec = f"{r['seconds_per_epoch']:.0f}" if r["seconds_per_epoch"] else "—"
                 if r.get("seconds_note"):
                     sec += " †"
-                    notes.append(f"† {mech} at {n}: {r['seconds_note']}")
+                    notes.append(f"- † {mech} at {n}: {r['seconds_note']}")
                 mem = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "—"
                 lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | "
                              f"{r['cpu'] or 'not recorded, or several'} |")

@@ -208,7 +208,7 @@ def test_length_summary_finds_the_shortest_input_as_good_as_the_best(tmp_path):
     record.write_text(json.dumps({**json.loads(record.read_text()), "seconds_note": "paused 10 min"}))
     table = fr.length_table(seed0_of(tmp_path))
     assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 † | 2000 | CPU B |" in table
-    assert table[-1] == "† prob_sparse at 720: paused 10 min"
+    assert table[-1] == "- † prob_sparse at 720: paused 10 min"
     finish(tmp_path, fr.Run("log_sparse", 96, 48, 168, 0), 0.2, seconds=100)
     finish(tmp_path, fr.Run("log_sparse", 336, 168, 168, 0), 0.1, seconds=300, cpu=None)  # not recorded
     assert "| log_sparse | 336 (0.100) | 336 | 96 → 336 | — (CPU not recorded) | ×1.0 |" \
