@@ -93,6 +93,11 @@ def protocol_cell(mech: str, h: int, revin: bool = False) -> tuple:
     return Run(mech, SEQ_LEN, LABEL_LEN[h], h, 0, revin).cell
 
 
+def length_rows(rows: dict[tuple, dict], mech: str) -> list[tuple[int, dict]]:
+    """(input length, row) of ``mech``'s runs of the input-length study found in ``rows``, shortest first."""
+    return [(n, r) for n in LENGTHS if (r := rows.get(Run(mech, n, LENGTH_LABEL[n], 168, 0).cell))]
+
+
 def pair(revin: bool) -> list[Run]:
     """prob_sparse and full at every horizon: every seed without RevIN, seed 0 with it."""
     return [Run(m, SEQ_LEN, LABEL_LEN[h], h, s, revin) for h in HORIZONS for m in PAIR
@@ -468,7 +473,7 @@ def length_summary(seed0: dict[tuple, dict], noise: float) -> list[str]:
     shortest."""
     lines = []
     for mech in LENGTH_MECHANISMS:
-        found = [(n, r) for n in LENGTHS if (r := seed0.get((mech, n, LENGTH_LABEL[n], 168, False)))]
+        found = length_rows(seed0, mech)
         if len(found) < 2:
             continue
         best_n, best = min(found, key=lambda nr: nr[1]["mse"])
@@ -516,16 +521,14 @@ def length_table(rows: dict[tuple, dict]) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     notes = []
     for mech in LENGTH_MECHANISMS:
-        for n in LENGTHS:
-            r = rows.get((mech, n, LENGTH_LABEL[n], 168, False))
-            if r is not None:
-                sec = f"{r['seconds_per_epoch']:.0f}" if r["seconds_per_epoch"] else "—"
-                if r.get("seconds_note"):
-                    sec += " †"
-                    notes.append(f"- † {mech} at {n}: {r['seconds_note']}")
-                mem = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "—"
-                lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | "
-                             f"{r['cpu'] or 'not recorded, or several'} |")
+        for n, r in length_rows(rows, mech):
+            sec = f"{r['seconds_per_epoch']:.0f}" if r["seconds_per_epoch"] else "—"
+            if r.get("seconds_note"):
+                sec += " †"
+                notes.append(f"- † {mech} at {n}: {r['seconds_note']}")
+            mem = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "—"
+            lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | "
+                         f"{r['cpu'] or 'not recorded, or several'} |")
     return lines + (["", *notes] if notes else [])
 
 
@@ -536,8 +539,7 @@ def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    study = {mech: [(n, r) for n in LENGTHS if (r := rows.get((mech, n, LENGTH_LABEL[n], 168, False)))]
-             for mech in LENGTH_MECHANISMS}
+    study = {mech: length_rows(rows, mech) for mech in LENGTH_MECHANISMS}
     # times compare on one CPU alone: the one most of the study's runs were timed on
     timed = Counter(r["cpu"] for found in study.values() for _, r in found
                     if r["seconds_per_epoch"] and r["cpu"])
