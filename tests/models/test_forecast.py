@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attnzoo.cli import main
+from attnzoo.data import ETTH1
 from attnzoo.models import Informer, InformerConfig, TrainConfig, train
 
 TINY = dict(d_model=16, n_heads=2, e_layers=2, d_layers=1, d_ff=32, seq_len=24, label_len=12,
@@ -170,6 +171,13 @@ def test_cli_smoke_on_shipped_etth1(tmp_path, capsys):
     out = capsys.readouterr().out  # not a terminal: one plain line an epoch
     assert "epoch 1/1  train loss " in out and " val mse " in out and "test MSE" in out
     assert metrics["seconds_per_epoch"] > 0 and metrics["peak_rss_mib"] > 0
+    assert Path(metrics["data"]).resolve() == ETTH1.resolve()
+
+
+def test_record_names_its_data_relative_to_the_working_directory(tmp_path, monkeypatch):
+    # Run from the folder that holds the data, the record reads the same on every clone.
+    monkeypatch.chdir(tmp_path)
+    assert train(_cfg(tmp_path, "r", epochs=1))["data"] == str(_csv(tmp_path).relative_to(tmp_path))
 
 
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):

@@ -196,6 +196,13 @@ def _with_this_cpu(cpus: list[str] | None) -> list[str]:
     return list(dict.fromkeys([*(cpus or []), cpu_name()]))
 
 
+def _shown(path: str) -> str:
+    """``path`` as a record shows it: relative to the working directory where it lies within it
+    (a run's record then reads the same on every clone), else absolute."""
+    p = Path(path).resolve()
+    return str(p.relative_to(Path.cwd().resolve())) if p.is_relative_to(Path.cwd().resolve()) else str(p)
+
+
 def _bare(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
@@ -324,7 +331,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
     _bare(model).load_state_dict(torch.load(best_path, map_location=device, weights_only=True))
     metrics = {"test": evaluate(model, test_loader, device), "best_val_mse": state["best_val"],
                "epochs_run": state["epoch"], "history": state["history"],
-               "model": dataclasses.asdict(model_cfg), "data": cfg.data, "target": cfg.target,
+               "model": dataclasses.asdict(model_cfg), "data": _shown(cfg.data), "target": cfg.target,
                "features": cfg.features, "world_size": world, "seed": cfg.seed,
                "seconds_per_epoch": _mean([r["seconds"] for r in state["history"] if "seconds" in r]),
                "peak_rss_mib": _run_peak(state.get("peak_rss_mib")),
