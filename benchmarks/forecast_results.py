@@ -4,6 +4,7 @@ docs/results.json and docs/img/input_length.png.
     .venv/bin/python benchmarks/forecast_results.py                 # train what is missing, then report
     .venv/bin/python benchmarks/forecast_results.py --report        # only rebuild the docs
     .venv/bin/python benchmarks/forecast_results.py --list          # every run and whether it is done
+    .venv/bin/python benchmarks/forecast_results.py --only '*-in96-*' --only '*-in336-*'   # a part only
 
 Every run is one `attnzoo forecast` process, ``--jobs`` at a time with one torch thread each
 (two single-threaded runs on 2 cores finish more per hour than one on two threads); each writes
@@ -24,6 +25,7 @@ retraining (kept in ``RUNS/<name>/swap.json``).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import statistics
@@ -115,6 +117,11 @@ def length_study() -> list[Run]:
 def grid() -> list[Run]:
     """Every run, in order of priority, each once."""
     return list(dict.fromkeys(pair(False) + others(False) + pair(True) + length_study() + others(True)))
+
+
+def only(runs: list[Run], patterns: list[str] | None) -> list[Run]:
+    """The runs whose name matches one of the shell-style ``patterns`` (all runs for none), in order."""
+    return [r for r in runs if not patterns or any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
 
 
 def metrics(runs: Path, run: Run) -> dict | None:
@@ -669,10 +676,15 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="only rebuild the docs from finished runs")
     parser.add_argument("--list", action="store_true", help="every run of the grid and whether it is done")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--only", action="append", metavar="GLOB",
+                        help="train (or --list) only the runs whose name matches, e.g. '*-in96-*'; "
+                             "repeatable; the report still reads every finished run")
     parser.add_argument("--runs", default=str(ROOT / "runs" / "etth1"), help="folder of the runs")
     parser.add_argument("--docs", default=str(ROOT / "docs"), help="where the report goes")
     args = parser.parse_args()
-    runs, todo = Path(args.runs), grid()
+    runs, todo = Path(args.runs), only(grid(), args.only)
+    if not todo:
+        parser.error(f"--only {' '.join(args.only)}: no run of the grid matches (see --list)")
     if args.list:
         for run in todo:
             print(f"{'done' if metrics(runs, run) else '    '}  {run.name}")

@@ -42,6 +42,15 @@ def test_grid_is_every_run_once_in_order_of_priority():
     assert {(r.mech, r.seq_len) for r in study} == {(m, n) for m in fr.LENGTH_MECHANISMS for n in fr.LENGTHS}
 
 
+def test_only_keeps_the_matching_runs_in_order():
+    runs = fr.grid()
+    assert fr.only(runs, None) == runs
+    short = fr.only(runs, ["*-in96-*", "*-in336-*"])
+    assert [(r.seq_len, r.mech) for r in short] == [(n, m) for n in (96, 336) for m in fr.LENGTH_MECHANISMS]
+    assert fr.only(runs, ["full-*-revin-*"]) == [r for r in fr.pair(True) if r.mech == "full"]
+    assert fr.only(runs, ["nothing"]) == []
+
+
 def test_run_command_is_the_protocol():
     args = protocol("prob_sparse", 168, seed=1, revin=True).args()
     joined = " ".join(args)
