@@ -6,8 +6,11 @@ docs/results.json and docs/img/input_length.png.
     .venv/bin/python benchmarks/forecast_results.py --list          # every run and whether it is done
     .venv/bin/python benchmarks/forecast_results.py --only '*-in96-*' --only '*-in336-*'   # a part only
 
-Every run is one `attnzoo forecast` process, ``--jobs`` at a time with one torch thread each
-(two single-threaded runs on 2 cores finish more per hour than one on two threads); each writes
+Every run is one `attnzoo forecast` process, ``--jobs`` at a time with ``--threads`` torch threads
+each: by default two single-threaded runs side by side, which on the 2-core Intel Xeon of the
+first runs finished more per hour than one on two threads; on the 2-core AMD EPYC of later ones
+one run on two threads (``--jobs 1 --threads 2``) finished as much, each run in half the hours
+(docs/results.md gives the measurements). Each run writes
 its log (one line an epoch) to ``RUNS/<name>/log.txt``. A run whose metrics.json exists is not
 repeated; one with a checkpoint but no metrics continues with ``--resume``, so the grid can be
 stopped and started again at any time. Runs go in order of priority: the protocol table (seeds
@@ -55,7 +58,7 @@ WIDTH = {"d_model": 128, "n_heads": 8, "d_ff": 512}
 CONFIG = ["--features", "S", "--target", "OT", "--d-model", str(WIDTH["d_model"]),
           "--n-heads", str(WIDTH["n_heads"]), "--e-layers", "2", "--d-layers", "1",
           "--d-ff", str(WIDTH["d_ff"]), "--dropout", "0.05", "--batch-size", "32", "--lr", "1e-4",
-          "--epochs", "6", "--patience", "3", "--threads", "1"]
+          "--epochs", "6", "--patience", "3"]
 # Informer (Zhou et al., AAAI 2021), Table 1, ETTh1 univariate: (MSE, MAE) at each horizon.
 PAPER = {"Informer (prob_sparse)": {24: (0.098, 0.247), 48: (0.158, 0.319), 168: (0.183, 0.346)},
          "Informer with full attention": {24: (0.092, 0.246), 48: (0.161, 0.322), 168: (0.187, 0.355)}}
@@ -84,10 +87,10 @@ class Run:
         """What the seeds of a table cell share."""
         return (self.mech, self.seq_len, self.label_len, self.pred_len, self.revin)
 
-    def args(self) -> list[str]:
-        return ["forecast", *CONFIG, "--seq-len", str(self.seq_len), "--label-len", str(self.label_len),
-                "--pred-len", str(self.pred_len), "--attn", self.mech, *(["--revin"] if self.revin else []),
-                "--seed", str(self.seed)]
+    def args(self, threads: int | str = 1) -> list[str]:
+        return ["forecast", *CONFIG, "--threads", str(threads), "--seq-len", str(self.seq_len),
+                "--label-len", str(self.label_len), "--pred-len", str(self.pred_len), "--attn", self.mech,
+                *(["--revin"] if self.revin else []), "--seed", str(self.seed)]
 
 
 def protocol_cell(mech: str, h: int, revin: bool = False) -> tuple:
@@ -129,14 +132,15 @@ def metrics(runs: Path, run: Run) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def train(runs: Path, run: Run) -> str:
-    """Train one run (continuing it where a checkpoint exists); returns how it ended."""
+def train(runs: Path, run: Run, threads: int = 1) -> str:
+    """Train one run on ``threads`` torch threads (continuing it where a checkpoint exists); returns
+    how it ended."""
     out = runs / run.name
     if (out / "metrics.json").exists():
         return "done before"
     out.mkdir(parents=True, exist_ok=True)
     resume = ["--resume"] if (out / "checkpoint.pt").exists() else []
-    cmd = [sys.executable, "-m", "attnzoo", *run.args(), "--out", str(out), *resume]
+    cmd = [sys.executable, "-m", "attnzoo", *run.args(threads), "--out", str(out), *resume]
     with open(out / "log.txt", "a") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
@@ -343,6 +347,8 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
     mixed = cpu is None and any(m.get("cpus") for _, m in done)
     seconds = [m["seconds_per_epoch"] for _, m in done if m.get("seconds_per_epoch") and not mixed]
     peak = [m["peak_rss_mib"] for _, m in done if m.get("peak_rss_mib")]
+    # (the records from before runs recorded their threads all ran on one)
+    threads = sorted({t for _, m in done for t in m.get("threads", [1])})
     return {"mechanism": run.mech, "seq_len": run.seq_len, "label_len": run.label_len,
             "pred_len": run.pred_len, "features": "S", "revin": run.revin,
             "mse": statistics.mean(mse), "mae": statistics.mean(m["test"]["mae"] for _, m in done),
@@ -350,11 +356,12 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
             "mse_each_seed": mse, "mae_each_seed": [m["test"]["mae"] for _, m in done],
             "epochs": statistics.mean(m["epochs_run"] for _, m in done),
             "seconds_per_epoch": statistics.mean(seconds) if seconds else None,
-            "peak_rss_mib": max(peak) if peak else None, "cpu": cpu,
+            "peak_rss_mib": max(peak) if peak else None, "cpu": cpu, "threads": threads,
             **({"seconds_note": note} if (note := "; ".join(m["seconds_note"] for _, m in done
                                                             if m.get("seconds_note"))) else {}),
             **WIDTH,
-            "command": "attnzoo " + " ".join(run.args()).replace(f"--seed {run.seed}", "--seed {seed}")}
+            "command": "attnzoo " + " ".join(run.args(threads[0] if len(threads) == 1 else "{threads}"))
+                                       .replace(f"--seed {run.seed}", "--seed {seed}")}
 
 
 def _cpu(records: list[dict]) -> str | None:
@@ -499,32 +506,35 @@ def length_summary(seed0: dict[tuple, dict], noise: float) -> list[str]:
 
 
 def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
-    """What an epoch and a run of the protocol's 720-step runs took, measured (``found``: :func:`cells`)."""
+    """What an epoch and a run of the protocol's 720-step runs took, measured (``found``: :func:`cells`),
+    apart for each CPU and number of threads (one thread: the grid's two runs side by side)."""
     done = [m for cell in found.values() for run, m in cell
             if run.seq_len == SEQ_LEN and m.get("seconds_per_epoch")]
     if not done:
         return ""
-    by_cpu: dict[str, list[dict]] = {}
+    by_setting: dict[tuple[str, str], list[dict]] = {}
     for m in done:
-        by_cpu.setdefault(" + ".join(m.get("cpus") or ["a CPU not recorded"]), []).append(m)
+        threads = "/".join(str(t) for t in m.get("threads", [1]))
+        by_setting.setdefault((" + ".join(m.get("cpus") or ["a CPU not recorded"]), threads), []).append(m)
 
     def span(xs: list[float]) -> str:
         lo, hi = f"{min(xs):.0f}", f"{max(xs):.0f}"
         return lo if lo == hi else f"{lo}–{hi}"
 
-    def pace(cpu: str, ms: list[dict]) -> str:
-        runs = "" if len(by_cpu) == 1 else f" ({_count(len(ms), 'run')})"
-        return (f"on {cpu}{runs}: {span([m['seconds_per_epoch'] / 60 for m in ms])} "
+    def pace(cpu: str, threads: str, ms: list[dict]) -> str:
+        runs = "" if len(by_setting) == 1 else f" ({_count(len(ms), 'run')})"
+        how = "two runs side by side" if threads == "1" else f"one run at a time on {threads} threads"
+        return (f"on {cpu}, {how}{runs}: {span([m['seconds_per_epoch'] / 60 for m in ms])} "
                 f"minutes an epoch, {span([m['seconds_per_epoch'] * m['epochs_run'] / 60 for m in ms])} "
                 "minutes a run")
 
-    return (f"Measured over the {_count(len(done), 'finished run')} at a 720-step input, two runs side by "
-            f"side, {'; '.join(pace(cpu, ms) for cpu, ms in by_cpu.items())}. ")
+    return (f"Measured over the {_count(len(done), 'finished run')} at a 720-step input, "
+            f"{'; '.join(pace(*key, ms) for key, ms in by_setting.items())}. ")
 
 
 def length_table(rows: dict[tuple, dict]) -> list[str]:
     """The input-length study's rows, then a line for each time a record says was disturbed (†)."""
-    lines = ["| mechanism | input | test MSE | test MAE | s / epoch | peak memory (MiB) | CPU |",
+    lines = ["| mechanism | input | test MSE | test MAE | s / epoch | peak memory (MiB) | timed on |",
              "|---|---|---|---|---|---|---|"]
     notes = []
     for mech in LENGTH_MECHANISMS:
@@ -534,8 +544,9 @@ def length_table(rows: dict[tuple, dict]) -> list[str]:
                 sec += " †"
                 notes.append(f"- † {mech} at {n}: {r['seconds_note']}")
             mem = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "—"
-            lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | "
-                         f"{r['cpu'] or 'not recorded, or several'} |")
+            on = (f"{r['cpu']}, {_count(r['threads'][0], 'thread')}" if r["cpu"] and len(r["threads"]) == 1
+                  else "CPU or threads not recorded, or several")
+            lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | {on} |")
     return lines + (["", *notes] if notes else [])
 
 
@@ -609,7 +620,7 @@ def report(runs: Path, docs: Path) -> None:
     seed0 = seed_zero(found)  # the RevIN runs and the input-length study have seed 0 alone
     noise = _noise(rows)
     pictured = plot_lengths(seed0, docs / PICTURE)
-    config = " ".join(CONFIG)
+    config = " ".join([*CONFIG, "--threads", "T"])
     lines = [
         "# Forecasting ETTh1 with each mechanism, at Informer's protocol", "",
         "Univariate ETTh1 (the target OT in and out), Informer's splits and train-only scaling; test MSE "
@@ -676,6 +687,7 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="only rebuild the docs from finished runs")
     parser.add_argument("--list", action="store_true", help="every run of the grid and whether it is done")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
     parser.add_argument("--only", action="append", metavar="GLOB",
                         help="train (or --list) only the runs whose name matches, e.g. '*-in96-*'; "
                              "repeatable; the report still reads every finished run")
@@ -693,7 +705,7 @@ def main() -> int:
         def one(run: Run) -> None:
             started = time.monotonic()
             print(f"{time.strftime('%H:%M')}  start  {run.name}", flush=True)
-            ended = train(runs, run)
+            ended = train(runs, run, args.threads)
             record = metrics(runs, run)  # (a record rebuilt after its machine was lost has no weights)
             if swap_source(run) and record is not None and "recovered" not in record:
                 try:

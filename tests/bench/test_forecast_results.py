@@ -19,13 +19,14 @@ spec.loader.exec_module(fr)
 
 
 def finish(runs: Path, run, mse: float, mae: float = 0.2, seconds: float = 600.0, epochs: int = 5,
-           peak: float = 1500.0, cpu: str = "CPU A") -> None:
-    """Write the metrics.json a finished run leaves."""
+           peak: float = 1500.0, cpu: str = "CPU A", threads: list[int] | None = None) -> None:
+    """Write the metrics.json a finished run leaves (without ``threads``, as the records from before
+    runs recorded them)."""
     out = runs / run.name
     out.mkdir(parents=True)
     (out / "metrics.json").write_text(json.dumps({
         "test": {"mse": mse, "mae": mae}, "epochs_run": epochs, "seconds_per_epoch": seconds,
-        "peak_rss_mib": peak, "cpus": [cpu] if cpu else []}))
+        "peak_rss_mib": peak, "cpus": [cpu] if cpu else [], **({"threads": threads} if threads else {})}))
 
 
 def protocol(mech: str, h: int, seed: int = 0, revin: bool = False):
@@ -57,6 +58,7 @@ def test_run_command_is_the_protocol():
     assert joined.startswith("forecast --features S --target OT")
     assert "--seq-len 720 --label-len 336 --pred-len 168 --attn prob_sparse --revin --seed 1" in joined
     assert "--revin" not in " ".join(protocol("full", 24).args())
+    assert "--threads 2 " in " ".join(protocol("full", 24).args(threads=2))
 
 
 def test_summary_means_seeds_and_gives_half_their_range(tmp_path):
@@ -68,7 +70,18 @@ def test_summary_means_seeds_and_gives_half_their_range(tmp_path):
     assert row["mse_each_seed"] == [0.06, 0.08] and row["mae_each_seed"] == [0.2, 0.3]
     assert row["epochs"] == 5 and row["seconds_per_epoch"] == 700 and row["peak_rss_mib"] == 1600
     assert row["command"].endswith("--attn full --seed {seed}") and row["d_model"] == fr.WIDTH["d_model"]
+    assert "--threads 1 " in row["command"] and row["threads"] == [1]
     assert fr._fmt(row, "mse") == "0.070 ± 0.010" and fr._fmt(row, "mae") == "0.250"
+
+
+def test_a_cells_command_gives_the_threads_its_runs_recorded(tmp_path):
+    finish(tmp_path, protocol("full", 24, 0), 0.06, threads=[2])
+    finish(tmp_path, protocol("prob_sparse", 24, 0), 0.06, threads=[2])
+    finish(tmp_path, protocol("prob_sparse", 24, 1), 0.06, threads=[1])
+    rows = {done[0][0].mech: fr.summary(done) for done in fr.cells(tmp_path, fr.grid()).values()}
+    assert "--threads 2 " in rows["full"]["command"] and rows["full"]["threads"] == [2]
+    mixed = rows["prob_sparse"]
+    assert "--threads {threads} " in mixed["command"] and mixed["threads"] == [1, 2]
 
 
 def test_report_writes_tables_verdict_json_and_picture(tmp_path):
@@ -108,7 +121,7 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
         "raises it in 0, and leaves 1 level." in md
     assert "Informer (prob_sparse), paper" not in md.split("## With RevIN")[1].split("##")[0]
     assert "| prob_sparse | 720 | 0.100 | 0.200 |" in md  # seed 0 of the protocol's two
-    assert "7 finished runs at a 720-step input, two runs side by side, on CPU A: 10–20 minutes an epoch, " \
+    assert "7 finished runs at a 720-step input, on CPU A, two runs side by side: 10–20 minutes an epoch, " \
         "50–60 " in md
     assert "| linear | 336 (0.150) | 336 | 96 → 336 | ×3.5 | ×1.0 |" in md
     assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
@@ -123,12 +136,15 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
 def test_pace_of_one_run(tmp_path):
     finish(tmp_path, protocol("lsh", 48), 0.1, seconds=300, epochs=4)
     assert fr.grid_pace(fr.cells(tmp_path, fr.grid())) == (
-        "Measured over the 1 finished run at a 720-step input, two runs side by side, on CPU A: 5 minutes an "
-        "epoch, 20 minutes a run. ")
+        "Measured over the 1 finished run at a 720-step input, on CPU A, two runs side by side: 5 minutes "
+        "an epoch, 20 minutes a run. ")
     finish(tmp_path, protocol("lsh", 24), 0.1, seconds=600, epochs=6, cpu="CPU B")  # another machine: apart
+    finish(tmp_path, protocol("linear", 24), 0.1, seconds=120, epochs=5, threads=[2])  # other threads: apart
     assert fr.grid_pace(fr.cells(tmp_path, fr.grid())) == (
-        "Measured over the 2 finished runs at a 720-step input, two runs side by side, on CPU B (1 run): 10 "
-        "minutes an epoch, 60 minutes a run; on CPU A (1 run): 5 minutes an epoch, 20 minutes a run. ")
+        "Measured over the 3 finished runs at a 720-step input, on CPU B, two runs side by side (1 run): "
+        "10 minutes an epoch, 60 minutes a run; on CPU A, one run at a time on 2 threads (1 run): 2 minutes "
+        "an epoch, 10 minutes a run; on CPU A, two runs side by side (1 run): 5 minutes an epoch, 20 "
+        "minutes a run. ")
 
 
 def test_report_without_runs_says_so(tmp_path):
@@ -212,11 +228,12 @@ def test_length_summary_finds_the_shortest_input_as_good_as_the_best(tmp_path):
     finish(tmp_path, fr.Run("prob_sparse", 720, 336, 168, 0), 0.1, seconds=900, peak=2000, cpu="CPU B")
     assert "| prob_sparse | 720 (0.100) | 720 | 96 → 720 | — (two CPUs) | ×2.0 |" \
         in fr.length_summary(seed0_of(tmp_path), 0.0)
-    assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 | 2000 | CPU B |" in fr.length_table(seed0_of(tmp_path))
+    assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 | 2000 | CPU B, 1 thread |" \
+        in fr.length_table(seed0_of(tmp_path))
     record = tmp_path / fr.Run("prob_sparse", 720, 336, 168, 0).name / "metrics.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "seconds_note": "paused 10 min"}))
     table = fr.length_table(seed0_of(tmp_path))
-    assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 † | 2000 | CPU B |" in table
+    assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 † | 2000 | CPU B, 1 thread |" in table
     assert table[-1] == "- † prob_sparse at 720: paused 10 min"
     finish(tmp_path, fr.Run("log_sparse", 96, 48, 168, 0), 0.2, seconds=100)
     finish(tmp_path, fr.Run("log_sparse", 336, 168, 168, 0), 0.1, seconds=300, cpu=None)  # not recorded

@@ -136,6 +136,7 @@ def test_peak_memory_and_cpus_are_the_runs_across_a_resume(tmp_path, monkeypatch
     metrics = train(_cfg(tmp_path, "c", resume=True))
     assert [r["cpus"] for r in metrics["history"]] == [["CPU A", "CPU B"], ["CPU B"]]
     assert metrics["cpus"] == ["CPU A", "CPU B"]
+    assert metrics["threads"] == [torch.get_num_threads()]
     assert train(_cfg(tmp_path, "one"))["cpus"] == ["CPU B"]
     monkeypatch.setattr(module, "peak_rss_mib", lambda: None)  # no resource module: no figure
     assert train(_cfg(tmp_path, "q"))["peak_rss_mib"] is None

@@ -190,10 +190,15 @@ def _run_peak(saved: float | None) -> float | None:
     return max((p for p in (saved, peak_rss_mib()) if p is not None), default=None)
 
 
-def _with_this_cpu(cpus: list[str] | None) -> list[str]:
-    """``cpus`` and this machine's CPU, each once: an epoch's, so that its time is never read as one
-    machine's when it was two's (resumed within it on another)."""
-    return list(dict.fromkeys([*(cpus or []), cpu_name()]))
+def _with(seen: list | None, now) -> list:
+    """``seen`` and ``now``, each once: an epoch's CPUs (or thread counts), so that its time is never
+    read as one machine's when it was two's (resumed within it on another)."""
+    return list(dict.fromkeys([*(seen or []), now]))
+
+
+def _each_once(history: list[dict], key: str) -> list:
+    """What the epochs of ``history`` list under ``key`` (their CPUs, their thread counts), each once."""
+    return list(dict.fromkeys(x for r in history for x in r.get(key, [])))
 
 
 def _shown(path: str) -> str:
@@ -236,7 +241,8 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
     train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = DataLoader(data.val, batch_size=cfg.batch_size)
     test_loader = DataLoader(data.test, batch_size=cfg.batch_size)
-    within = {"batches_done": 0, "loss_sum": 0.0, "seconds": 0.0, "epoch_cpus": []}  # of the epoch under way
+    within = {"batches_done": 0, "loss_sum": 0.0, "seconds": 0.0, "epoch_cpus": [],  # of the epoch under way
+              "epoch_threads": []}
     state = {"epoch": 0, "best_val": math.inf, "bad_epochs": 0, "history": [], **within}
     checkpoint_path, best_path = out / "checkpoint.pt", out / "best.pt"
     resumed_rng = None
@@ -278,7 +284,8 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                 next(batches)
             _set_rng_state(resumed_rng)
         started = time.perf_counter()  # of the time not yet in state["seconds"]
-        state["epoch_cpus"] = _with_this_cpu(state.get("epoch_cpus"))
+        state["epoch_cpus"] = _with(state.get("epoch_cpus"), cpu_name())
+        state["epoch_threads"] = _with(state.get("epoch_threads"), torch.get_num_threads())
         for step, batch in enumerate(batches, start=state["batches_done"]):
             if step >= n_batches:
                 break
@@ -310,7 +317,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         record = {"epoch": epoch + 1, "train_loss": state["loss_sum"] / max(n_batches, 1), "val_mse": val,
                   "lr": optimiser.param_groups[0]["lr"], "improved": improved,
                   "seconds": state["seconds"] + time.perf_counter() - started,
-                  "cpus": state["epoch_cpus"]}
+                  "cpus": state["epoch_cpus"], "threads": state["epoch_threads"]}
         state["history"].append(record)
         state.update(within)
         if world > 1:
@@ -335,7 +342,8 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
                "features": cfg.features, "world_size": world, "seed": cfg.seed,
                "seconds_per_epoch": _mean([r["seconds"] for r in state["history"] if "seconds" in r]),
                "peak_rss_mib": _run_peak(state.get("peak_rss_mib")),
-               "cpus": list(dict.fromkeys(c for r in state["history"] for c in r.get("cpus", [])))}
+               "cpus": _each_once(state["history"], "cpus"),
+               "threads": _each_once(state["history"], "threads")}
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         plot_forecasts(_bare(model), data, device, out / "forecast.png", cfg.plot_windows)
