@@ -5,6 +5,7 @@ docs/results.json and docs/img/input_length.png.
     .venv/bin/python benchmarks/forecast_results.py --report        # only rebuild the docs
     .venv/bin/python benchmarks/forecast_results.py --list          # every run and whether it is done
     .venv/bin/python benchmarks/forecast_results.py --only '*-in96-*' --only '*-in336-*'   # a part only
+    .venv/bin/python benchmarks/forecast_results.py --cost --threads 2   # time the length study's steps
 
 Every run is one `attnzoo forecast` process, ``--jobs`` at a time with ``--threads`` torch threads
 each: by default two single-threaded runs side by side, which on the 2-core Intel Xeon of the
@@ -34,9 +35,9 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,8 @@ PAPER_ROW = {"prob_sparse": "Informer (prob_sparse)", "full": "Informer with ful
 # The best published univariate ETTh1 results at these horizons (S4, Gu et al., ICLR 2022): MSE.
 S4 = {24: 0.061, 48: 0.079, 168: 0.104}
 PICTURE = "img/input_length.png"  # under docs/
+COST = "cost.json"  # under RUNS: a training step of each cell of the input-length study (--cost)
+COST_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,44 @@ def train(runs: Path, run: Run, threads: int = 1) -> str:
         log.flush()
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     return "finished" if code == 0 else f"failed (exit {code}; see {out / 'log.txt'})"
+
+
+def measure_cost(runs: Path, threads: int, steps: int = COST_STEPS) -> Path:
+    """Time a training step of every cell of the input-length study, one process after another on this
+    machine (`attnzoo forecast ... --time-steps`), into ``RUNS/cost.json``: the study's times and
+    memory measured together, where its runs' own were timed on different machines and beside
+    different neighbours."""
+    cells = []
+    for run in length_study():
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "attnzoo", *run.args(threads), "--time-steps", str(steps),
+                   "--out", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stdout[-2000:]}"
+                                   f"{done.stderr[-2000:]}")
+            cost = json.loads((Path(tmp) / "steps.json").read_text())
+        cells.append({"mechanism": run.mech, "seq_len": run.seq_len, "label_len": run.label_len,
+                      "pred_len": run.pred_len, **cost})
+        print(f"{time.strftime('%H:%M')}  {run.mech} at {run.seq_len}: {cost['seconds_median']:.2f} s a "
+              f"step, {_mib(cost['peak_rss_mib'])} MiB  ({len(cells)} of {len(length_study())})", flush=True)
+    path = runs / COST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"steps": steps, "batch_size": 32, "cells": cells}, indent=1) + "\n")
+    return path
+
+
+def read_cost(runs: Path) -> dict[tuple[str, int], dict]:
+    """The cells of ``RUNS/cost.json`` by (mechanism, input length); empty where it was never measured."""
+    path = runs / COST
+    cells = json.loads(path.read_text())["cells"] if path.exists() else []
+    return {(c["mechanism"], c["seq_len"]): c for c in cells}
+
+
+def cost_setting(cost: dict[tuple[str, int], dict]) -> str:
+    """Where and how the cost was measured, in words ('' for none)."""
+    settings = {(c["cpu"], c["threads"]) for c in cost.values()}
+    return "; ".join(f"{cpu}, {_count(t, 'thread')}" for cpu, t in sorted(settings))
 
 
 # --- swap at inference -------------------------------------------------------------------------
@@ -481,10 +522,10 @@ def revin_verdict(seed0: dict[tuple, dict], noise: float) -> str:
             f"{len(both) - lower - higher} level.")
 
 
-def length_summary(seed0: dict[tuple, dict], noise: float) -> list[str]:
+def length_summary(seed0: dict[tuple, dict], noise: float, cost: dict[tuple[str, int], dict]) -> list[str]:
     """Per mechanism of the input-length study (``seed0``: :func:`seed_zero`): its best input, the
     shortest input within ``noise`` of that best, and what its longest input costs against its
-    shortest."""
+    shortest in a training step (``cost``: :func:`read_cost`)."""
     lines = []
     for mech in LENGTH_MECHANISMS:
         found = length_rows(seed0, mech)
@@ -492,17 +533,16 @@ def length_summary(seed0: dict[tuple, dict], noise: float) -> list[str]:
             continue
         best_n, best = min(found, key=lambda nr: nr[1]["mse"])
         enough = min(n for n, r in found if r["mse"] <= best["mse"] + noise)
-        (n0, first), (n1, last) = found[0], found[-1]
-        grow = [f"×{last[key] / first[key]:.1f}" if first[key] and last[key] else "—"
-                for key in ("seconds_per_epoch", "peak_rss_mib")]
-        if grow[0] != "—" and (first["cpu"] is None or first["cpu"] != last["cpu"]):
-            grow[0] = "— (two CPUs)" if first["cpu"] and last["cpu"] else "— (CPU not recorded)"
+        n0, n1 = found[0][0], found[-1][0]
+        first, last = cost.get((mech, n0)), cost.get((mech, n1))
+        grow = [f"×{last[key] / first[key]:.1f}" if first and last and first[key] and last[key] else "—"
+                for key in ("seconds_median", "peak_rss_mib")]
         lines.append(f"| {mech} | {best_n} ({best['mse']:.3f}) | {enough} | {n0} → {n1} | "
                      f"{' | '.join(grow)} |")
     if not lines:
         return []
     return [f"| mechanism | best input (test MSE) | shortest input within {noise:.3f} of its best | "
-            "inputs compared | time an epoch | peak memory |", "|---|---|---|---|---|---|", *lines]
+            "inputs compared | time a step | peak memory |", "|---|---|---|---|---|---|", *lines]
 
 
 def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
@@ -532,58 +572,72 @@ def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
             f"{'; '.join(pace(*key, ms) for key, ms in by_setting.items())}. ")
 
 
-def length_table(rows: dict[tuple, dict]) -> list[str]:
-    """The input-length study's rows, then a line for each time a record says was disturbed (†)."""
-    lines = ["| mechanism | input | test MSE | test MAE | s / epoch | peak memory (MiB) | timed on |",
-             "|---|---|---|---|---|---|---|"]
+def length_table(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict]) -> list[str]:
+    """The input-length study's cells that have a run or a measured step (``cost``: :func:`read_cost`),
+    then a line for each time a record says was disturbed (†)."""
+    lines = ["| mechanism | input | test MSE | test MAE | a step (s) | its peak memory (MiB) | "
+             "the run's s / epoch | the run's peak memory (MiB) | the run timed on |",
+             "|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for mech in LENGTH_MECHANISMS:
-        for n, r in length_rows(rows, mech):
+        runs = dict(length_rows(rows, mech))
+        for n in LENGTHS:
+            r, c = runs.get(n), cost.get((mech, n))
+            if r is None and c is None:
+                continue
+            step = [f"{c['seconds_median']:.2f}", _mib(c["peak_rss_mib"])] if c else ["—", "—"]
+            if r is None:
+                lines.append(f"| {mech} | {n} | — | — | {' | '.join(step)} | — | — | — |")
+                continue
             sec = f"{r['seconds_per_epoch']:.0f}" if r["seconds_per_epoch"] else "—"
             if r.get("seconds_note"):
                 sec += " †"
                 notes.append(f"- † {mech} at {n}: {r['seconds_note']}")
-            mem = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "—"
             on = (f"{r['cpu']}, {_count(r['threads'][0], 'thread')}" if r["cpu"] and len(r["threads"]) == 1
                   else "CPU or threads not recorded, or several")
-            lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {sec} | {mem} | {on} |")
+            lines.append(f"| {mech} | {n} | {r['mse']:.3f} | {r['mae']:.3f} | {' | '.join(step)} | {sec} | "
+                         f"{_mib(r['peak_rss_mib'])} | {on} |")
     return lines + (["", *notes] if notes else [])
 
 
-def plot_lengths(rows: dict[tuple, dict], path: Path) -> bool:
+def _mib(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
+def plot_lengths(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict], path: Path) -> bool:
+    """Test MSE of the study's runs, and the time and peak memory of a training step of each cell
+    measured together (``cost``), against input length: False where there is nothing to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    study = {mech: length_rows(rows, mech) for mech in LENGTH_MECHANISMS}
-    # times compare on one CPU alone: the one most of the study's runs were timed on
-    timed = Counter(r["cpu"] for found in study.values() for _, r in found
-                    if r["seconds_per_epoch"] and r["cpu"])
-    cpu = timed.most_common(1)[0][0] if timed else None
     drawn = False
-    for mech, found in study.items():
-        if not found:
-            continue
-        drawn = True
-        for ax, key in zip(axes, ("mse", "seconds_per_epoch", "peak_rss_mib"), strict=True):
-            pts = [(n, r[key]) for n, r in found
-                   if r[key] is not None and (key != "seconds_per_epoch" or r["cpu"] == cpu is not None)]
-            ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=mech)
+    for mech in LENGTH_MECHANISMS:
+        lines = [[(n, r["mse"]) for n, r in length_rows(rows, mech)],
+                 *([(n, c[key]) for n in LENGTHS if (c := cost.get((mech, n))) and c[key] is not None]
+                   for key in ("seconds_median", "peak_rss_mib"))]
+        for ax, pts in zip(axes, lines, strict=True):
+            if pts:
+                drawn = True
+                ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=mech)
     if not drawn:
         plt.close(fig)
         return False
     axes[0].axhline(S4[168], color="gray", linestyle=":", label="S4, best published")
-    for ax, title in zip(axes, ("test MSE at horizon 168", f"time an epoch (s), training and validation,\n"
-                                f"runs on {cpu or 'a recorded CPU: none'}", "peak memory of the run (MiB)"),
-                         strict=True):
+    where = cost_setting(cost) or "not measured yet"
+    for ax, title in zip(axes, ("test MSE at horizon 168", f"a training step of 32 windows (s),\n{where}",
+                                "peak memory of a training step (MiB)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xticks(LENGTHS, [str(n) for n in LENGTHS])
         ax.set_xlabel("input length (steps)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+            break
     fig.suptitle("ETTh1 univariate: what a longer input buys, and what it costs, per mechanism")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -619,7 +673,8 @@ def report(runs: Path, docs: Path) -> None:
         r["revin"], r["pred_len"], r["seq_len"], r["mechanism"])), indent=1) + "\n")
     seed0 = seed_zero(found)  # the RevIN runs and the input-length study have seed 0 alone
     noise = _noise(rows)
-    pictured = plot_lengths(seed0, docs / PICTURE)
+    cost = read_cost(runs)
+    pictured = plot_lengths(seed0, cost, docs / PICTURE)
     config = " ".join([*CONFIG, "--threads", "T"])
     lines = [
         "# Forecasting ETTh1 with each mechanism, at Informer's protocol", "",
@@ -656,14 +711,18 @@ def report(runs: Path, docs: Path) -> None:
         *_paragraph(revin_verdict(seed0, noise)),
         "## What a longer input buys", "",
         "Horizon 168, seed 0; decoder start token 48, 168, 336, 336 steps for inputs 96, 336, 720, 1440. "
-        "Seconds per epoch are of training and validation, with a second run beside it on the other "
-        "core; peak memory is the run's peak resident memory (the highest of its processes, where it was "
-        "resumed). Times compare only between runs on one CPU (its column).", "",
-        *length_table(seed0), "",
+        "What each cell costs is measured together, one process after another on one quiet machine "
+        f"(`benchmarks/forecast_results.py --cost`; {cost_setting(cost) or 'not measured yet'}): a "
+        f"training step of 32 windows (forward, backward and Adam), the median of {COST_STEPS} after one "
+        "untimed, and the peak resident memory of the process that ran them. Each run's own figures "
+        "follow: seconds an epoch of training and validation, on the CPU and threads its column names "
+        "(one thread: a second run beside it on the other core), and its peak resident memory (the "
+        "highest of its processes, where it was resumed); they compare only within one setting.", "",
+        *length_table(seed0, cost), "",
         *([f"![test MSE, time and memory against input length]({PICTURE})", ""] if pictured else []),
         *(["Per mechanism: its best input, the shortest input that forecasts as well (within the largest "
            "gap between seeds), and what its longest input costs against its shortest, as a multiple:", "",
-           *summary_lines, ""] if (summary_lines := length_summary(seed0, noise)) else []),
+           *summary_lines, ""] if (summary_lines := length_summary(seed0, noise, cost)) else []),
         "## Swap at inference", "",
         "The seed-0 forecaster trained with full attention, tested again with each mechanism at its "
         "defaults in the encoder's self-attention, and in the decoder's where the mechanism has a causal "
@@ -685,6 +744,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", action="store_true", help="only rebuild the docs from finished runs")
+    parser.add_argument("--cost", action="store_true",
+                        help=f"time a training step of every cell of the input-length study into RUNS/{COST} "
+                             "(on a quiet machine: minutes), then report")
     parser.add_argument("--list", action="store_true", help="every run of the grid and whether it is done")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
@@ -701,7 +763,9 @@ def main() -> int:
         for run in todo:
             print(f"{'done' if metrics(runs, run) else '    '}  {run.name}")
         return 0
-    if not args.report:
+    if args.cost:
+        measure_cost(runs, args.threads)
+    elif not args.report:
         def one(run: Run) -> None:
             started = time.monotonic()
             print(f"{time.strftime('%H:%M')}  start  {run.name}", flush=True)

@@ -290,6 +290,8 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
                       max_rows=args.max_rows, out=args.out, resume=args.resume,
                       stop_after_epochs=args.stop_after_epochs, stop_after_steps=args.stop_after_steps,
                       checkpoint_every_s=args.checkpoint_every)
+    if args.time_steps is not None:
+        return _time_steps(cfg, args.time_steps, console)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if console.is_terminal or not rank0:
         metrics = _train_with_bars(cfg, console, disable=not rank0)
@@ -304,6 +306,24 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
         where = (f"epoch {metrics['stopped_after_epoch']}" if "stopped_after_epoch" in metrics
                  else f"{metrics['stopped_after_step']} batches")
         console.print(f"stopped after {where}; continue with --resume")
+    return 0
+
+
+def _time_steps(cfg, steps: int, console: Console) -> int:
+    import json
+    from pathlib import Path
+
+    from attnzoo.models import time_steps
+
+    cost = time_steps(cfg, steps)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "steps.json").write_text(json.dumps(cost, indent=2))
+    peak = "not measured here" if cost["peak_rss_mib"] is None else f"{cost['peak_rss_mib']:.0f} MiB"
+    threads = f"{cost['threads']} thread{'s' if cost['threads'] > 1 else ''}"
+    console.print(f"a training step of {cfg.batch_size} windows: {cost['seconds_median']:.3f} s (median of "
+                  f"{steps}; {threads}, {cost['cpu']}), peak memory {peak}; wrote {out}/steps.json",
+                  highlight=False)
     return 0
 
 
@@ -415,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after this many epochs, as if interrupted (then --resume)")
     add("--stop-after-steps", type=int, default=None,
         help="stop after training this many batches, as if interrupted (one process; then --resume)")
+    add("--time-steps", type=int, default=None, metavar="N",
+        help="train nothing: time N training steps (after one untimed), print their median and the "
+             "peak memory, write OUT/steps.json")
     p_fc.set_defaults(run=cmd_forecast)
     return parser
 

@@ -6,6 +6,7 @@ report makes of them.
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +28,16 @@ def finish(runs: Path, run, mse: float, mae: float = 0.2, seconds: float = 600.0
     (out / "metrics.json").write_text(json.dumps({
         "test": {"mse": mse, "mae": mae}, "epochs_run": epochs, "seconds_per_epoch": seconds,
         "peak_rss_mib": peak, "cpus": [cpu] if cpu else [], **({"threads": threads} if threads else {})}))
+
+
+def write_cost(runs: Path, cells: dict[tuple[str, int], tuple[float, float]], cpu: str = "CPU X",
+               threads: int = 2) -> None:
+    """Write the cost.json `--cost` leaves: (mechanism, input) -> (seconds a step, peak MiB)."""
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / fr.COST).write_text(json.dumps({"steps": 5, "batch_size": 32, "cells": [
+        {"mechanism": m, "seq_len": n, "label_len": fr.LENGTH_LABEL[n], "pred_len": 168,
+         "seconds_median": sec, "peak_rss_mib": peak, "cpu": cpu, "threads": threads}
+        for (m, n), (sec, peak) in cells.items()]}))
 
 
 def protocol(mech: str, h: int, seed: int = 0, revin: bool = False):
@@ -98,6 +109,7 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
         finish(runs, fr.Run("linear", n, fr.LENGTH_LABEL[n], 168, 0), mse, seconds=n)
     (runs / protocol("full", 24).name / "swap.json").write_text(json.dumps({
         "full": {"mse": 0.100, "notes": []}, "prob_sparse": {"mse": 0.105, "notes": []}}))
+    write_cost(runs, {("linear", 96): (0.1, 600), ("linear", 336): (0.4, 900), ("full", 1440): (4.0, 3000)})
     fr.report(runs, docs)
 
     md = (docs / "results.md").read_text()
@@ -107,7 +119,11 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     # the RevIN table, each MSE beside its change from seed 0 without RevIN, where there is one
     assert "| full | — | — | — | — | 0.095 | 0.200 | 5.0 |" in md
     assert "| prob_sparse | 0.095 (+6%) | 0.200 | — | — | — | — | 5.0 |" in md
-    assert "| linear | 336 | 0.150 | 0.200 | 336 | 1500 |" in md
+    # the study: each cell's step measured together, then its run's own figures; a cell measured but
+    # not yet trained
+    assert "| linear | 336 | 0.150 | 0.200 | 0.40 | 900 | 336 | 1500 | CPU A, 1 thread |" in md
+    assert "| full | 1440 | — | — | 4.00 | 3000 | — | — | — |" in md
+    assert "(`benchmarks/forecast_results.py --cost`; CPU X, 2 threads)" in md
     # prob_sparse below the paper at 24, full above it; the best read on seed 0 alone, not the mean of
     # two seeds beside one
     assert "| prob_sparse, change in MSE / MAE from Informer (prob_sparse) in the paper | -13% / -19% " \
@@ -123,7 +139,7 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     assert "| prob_sparse | 720 | 0.100 | 0.200 |" in md  # seed 0 of the protocol's two
     assert "7 finished runs at a 720-step input, on CPU A, two runs side by side: 10–20 minutes an epoch, " \
         "50–60 " in md
-    assert "| linear | 336 (0.150) | 336 | 96 → 336 | ×3.5 | ×1.0 |" in md
+    assert "| linear | 336 (0.150) | 336 | 96 → 336 | ×4.0 | ×1.5 |" in md
     assert "![test MSE, time and memory against input length]" in md and (docs / fr.PICTURE).exists()
 
     rows = json.loads((docs / "results.json").read_text())
@@ -206,39 +222,62 @@ def test_revin_verdict_reads_changes_against_the_seed_spread(tmp_path):
 
 
 def test_length_summary_finds_the_shortest_input_as_good_as_the_best(tmp_path):
-    def study(mech, n, mse, seconds, peak):
-        finish(tmp_path, fr.Run(mech, n, fr.LENGTH_LABEL[n], 168, 0), mse, seconds=seconds, peak=peak)
+    def study(mech, n, mse):
+        finish(tmp_path, fr.Run(mech, n, fr.LENGTH_LABEL[n], 168, 0), mse)
 
-    study("linear", 96, 0.200, 100, 1000)
-    study("linear", 336, 0.150, 200, 1200)
-    study("linear", 1440, 0.145, 500, 3000)
-    study("full", 96, 0.2, 100, 1000)  # one length: nothing to read
-    assert fr.length_summary(seed0_of(tmp_path), 0.0) == [
+    study("linear", 96, 0.200)
+    study("linear", 336, 0.150)
+    study("linear", 1440, 0.145)
+    study("full", 96, 0.2)  # one length: nothing to read
+    cost = {("linear", 96): {"seconds_median": 0.1, "peak_rss_mib": 1000},
+            ("linear", 1440): {"seconds_median": 0.5, "peak_rss_mib": 3000}}
+    assert fr.length_summary(seed0_of(tmp_path), 0.0, cost) == [
         "| mechanism | best input (test MSE) | shortest input within 0.000 of its best | inputs compared | "
-        "time an epoch | peak memory |", "|---|---|---|---|---|---|",
+        "time a step | peak memory |", "|---|---|---|---|---|---|",
         "| linear | 1440 (0.145) | 1440 | 96 → 1440 | ×5.0 | ×3.0 |"]
     # a gap between seeds of 0.010: 336 is as good as 1440
-    assert fr.length_summary(seed0_of(tmp_path), 0.010)[2] == "| linear | 1440 (0.145) | 336 | 96 → 1440 | " \
-        "×5.0 | ×3.0 |"
-    study("full", 336, 0.1, None, None)  # a run that did not measure its cost: none said
-    assert "| full | 336 (0.100) | 336 | 96 → 336 | — | — |" in fr.length_summary(seed0_of(tmp_path), 0.0)
-    assert fr.length_summary({}, 0.0) == []
-    # timed on another machine: its time is not set against the first's; its memory is
-    finish(tmp_path, fr.Run("prob_sparse", 96, 48, 168, 0), 0.2, seconds=100, peak=1000)
+    assert fr.length_summary(seed0_of(tmp_path), 0.010, cost)[2] == "| linear | 1440 (0.145) | 336 | " \
+        "96 → 1440 | ×5.0 | ×3.0 |"
+    study("full", 336, 0.1)  # its cost not measured: none said
+    assert "| full | 336 (0.100) | 336 | 96 → 336 | — | — |" \
+        in fr.length_summary(seed0_of(tmp_path), 0.0, cost)
+    assert fr.length_summary({}, 0.0, cost) == []
+
+
+def test_length_table_marks_a_disturbed_time(tmp_path):
     finish(tmp_path, fr.Run("prob_sparse", 720, 336, 168, 0), 0.1, seconds=900, peak=2000, cpu="CPU B")
-    assert "| prob_sparse | 720 (0.100) | 720 | 96 → 720 | — (two CPUs) | ×2.0 |" \
-        in fr.length_summary(seed0_of(tmp_path), 0.0)
-    assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 | 2000 | CPU B, 1 thread |" \
-        in fr.length_table(seed0_of(tmp_path))
+    assert "| prob_sparse | 720 | 0.100 | 0.200 | — | — | 900 | 2000 | CPU B, 1 thread |" \
+        in fr.length_table(seed0_of(tmp_path), {})
     record = tmp_path / fr.Run("prob_sparse", 720, 336, 168, 0).name / "metrics.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "seconds_note": "paused 10 min"}))
-    table = fr.length_table(seed0_of(tmp_path))
-    assert "| prob_sparse | 720 | 0.100 | 0.200 | 900 † | 2000 | CPU B, 1 thread |" in table
+    table = fr.length_table(seed0_of(tmp_path), {})
+    assert "| prob_sparse | 720 | 0.100 | 0.200 | — | — | 900 † | 2000 | CPU B, 1 thread |" in table
     assert table[-1] == "- † prob_sparse at 720: paused 10 min"
-    finish(tmp_path, fr.Run("log_sparse", 96, 48, 168, 0), 0.2, seconds=100)
-    finish(tmp_path, fr.Run("log_sparse", 336, 168, 168, 0), 0.1, seconds=300, cpu=None)  # not recorded
-    assert "| log_sparse | 336 (0.100) | 336 | 96 → 336 | — (CPU not recorded) | ×1.0 |" \
-        in fr.length_summary(seed0_of(tmp_path), 0.0)
+
+
+def test_cost_times_each_cell_of_the_study_in_its_own_process(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        (out / "steps.json").write_text(json.dumps({"seconds_median": 0.5, "seconds_each": [0.5],
+                                                    "peak_rss_mib": 900.0, "cpu": "CPU X", "threads": 2}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fr.subprocess, "run", fake_run)
+    fr.measure_cost(tmp_path, threads=2)
+    assert len(seen) == len(fr.length_study())
+    assert all(" --threads 2 " in " ".join(c) and c[-4:-2] == ["--time-steps", str(fr.COST_STEPS)]
+               for c in seen)
+    cost = fr.read_cost(tmp_path)
+    assert set(cost) == {(r.mech, r.seq_len) for r in fr.length_study()}
+    assert fr.cost_setting(cost) == "CPU X, 2 threads" and cost[("full", 1440)]["label_len"] == 336
+    monkeypatch.setattr(fr.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "boom"))
+    with pytest.raises(RuntimeError, match="failed .exit 1.:\nboom"):
+        fr.measure_cost(tmp_path, threads=2)
+    assert fr.read_cost(tmp_path / "none") == {}
 
 
 def test_a_cells_time_is_of_one_cpu(tmp_path):

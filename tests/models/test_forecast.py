@@ -9,7 +9,7 @@ import torch
 
 from attnzoo.cli import main
 from attnzoo.data import ETTH1
-from attnzoo.models import Informer, InformerConfig, TrainConfig, train
+from attnzoo.models import Informer, InformerConfig, TrainConfig, time_steps, train
 
 TINY = dict(d_model=16, n_heads=2, e_layers=2, d_layers=1, d_ff=32, seq_len=24, label_len=12,
             pred_len=6)
@@ -179,6 +179,24 @@ def test_record_names_its_data_relative_to_the_working_directory(tmp_path, monke
     # Run from the folder that holds the data, the record reads the same on every clone.
     monkeypatch.chdir(tmp_path)
     assert train(_cfg(tmp_path, "r", epochs=1))["data"] == str(_csv(tmp_path).relative_to(tmp_path))
+
+
+def test_time_steps_times_training_steps_without_training_a_run(tmp_path, capsys):
+    cost = time_steps(_cfg(tmp_path, "t"), steps=3)
+    assert len(cost["seconds_each"]) == 3 and all(t > 0 for t in cost["seconds_each"])
+    assert cost["seconds_median"] == sorted(cost["seconds_each"])[1]
+    assert cost["threads"] == torch.get_num_threads() and cost["cpu"]
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        time_steps(_cfg(tmp_path, "t"), steps=0)
+    with pytest.raises(ValueError, match="fewer than 1001 steps"):
+        time_steps(_cfg(tmp_path, "t"), steps=1000)
+    csv = _csv(tmp_path)
+    assert main(["forecast", "--data", str(csv), "--d-model", "16", "--n-heads", "2", "--d-ff", "32",
+                 "--seq-len", "24", "--label-len", "12", "--pred-len", "6", "--time-steps", "2",
+                 "--out", str(tmp_path / "cli")]) == 0
+    assert "a training step of 32 windows: " in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "cli" / "steps.json").read_text())["seconds_each"]) == 2
+    assert {p.name for p in (tmp_path / "cli").iterdir()} == {"steps.json"}
 
 
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -109,6 +110,56 @@ def _model_config(cfg: TrainConfig, data) -> InformerConfig:
 def _batches(model, batch, device):
     x_enc, mark_enc, x_dec, mark_dec, y = (t.to(device) for t in batch)
     return model(x_enc, mark_enc, x_dec, mark_dec), y
+
+
+def _step(model: nn.Module, optimiser: torch.optim.Optimizer, batch, device) -> float:
+    """One step of the optimiser on the MSE of a batch; returns the loss."""
+    pred, y = _batches(model, batch, device)
+    loss = nn.functional.mse_loss(pred, y)
+    optimiser.zero_grad()
+    loss.backward()
+    optimiser.step()
+    return loss.item()
+
+
+def _data_and_model(cfg: TrainConfig, device: torch.device):
+    """The data splits of ``cfg`` and its model, seeded by ``cfg.seed``."""
+    data = load_forecast_data(cfg.data, target=cfg.target, features=cfg.features,
+                              seq_len=cfg.model.seq_len, label_len=cfg.model.label_len,
+                              pred_len=cfg.model.pred_len, max_rows=cfg.max_rows)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    model_cfg = _model_config(cfg, data)
+    return data, model_cfg, Informer(model_cfg).to(device)
+
+
+def time_steps(cfg: TrainConfig, steps: int = 5) -> dict:
+    """What a training step of ``cfg`` costs on this machine, without training a run: the wall seconds
+    of ``steps`` steps (forward, backward and Adam on ``cfg.batch_size`` windows of the training
+    split, in the training order), after one untimed step that warms the caches and builds what is
+    built on first use; their median, the process's peak resident memory, the CPU and the threads.
+    The cost of an epoch's steps apart from its data loading and validation, comparable between
+    mechanisms and lengths measured in one process after another on one quiet machine."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = _device(0)
+    data, _, model = _data_and_model(cfg, device)
+    optimiser = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    if len(loader) < steps + 1:
+        raise ValueError(f"the training split has {len(loader)} batches, fewer than {steps + 1} steps")
+    model.train()
+    seconds = []
+    for i, batch in zip(range(steps + 1), loader, strict=False):
+        started = time.perf_counter()
+        _step(model, optimiser, batch, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            seconds.append(time.perf_counter() - started)
+    return {"seconds_each": seconds, "seconds_median": statistics.median(seconds),
+            "peak_rss_mib": peak_rss_mib(), "cpu": cpu_name(), "threads": torch.get_num_threads()}
 
 
 @torch.no_grad()
@@ -223,13 +274,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    data = load_forecast_data(cfg.data, target=cfg.target, features=cfg.features,
-                              seq_len=cfg.model.seq_len, label_len=cfg.model.label_len,
-                              pred_len=cfg.model.pred_len, max_rows=cfg.max_rows)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    model_cfg = _model_config(cfg, data)
-    model = Informer(model_cfg).to(device)
+    data, model_cfg, model = _data_and_model(cfg, device)
     if world > 1:
         if device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -289,12 +334,7 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         for step, batch in enumerate(batches, start=state["batches_done"]):
             if step >= n_batches:
                 break
-            pred, y = _batches(model, batch, device)
-            loss = nn.functional.mse_loss(pred, y)
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            value = loss.item()
+            value = _step(model, optimiser, batch, device)
             state["loss_sum"] += value
             callbacks.on_batch(step, value)
             steps_run += 1
