@@ -8,10 +8,10 @@ docs/results.json and docs/img/input_length.png.
     .venv/bin/python benchmarks/forecast_results.py --cost --threads 2   # time the length study's steps
 
 Every run is one `attnzoo forecast` process, ``--jobs`` at a time with ``--threads`` torch threads
-each: by default two single-threaded runs side by side, which on the 2-core Intel Xeon of the
-first runs finished more per hour than one on two threads; on the 2-core AMD EPYC of later ones
-one run on two threads (``--jobs 1 --threads 2``) finished as much, each run in half the hours
-(docs/results.md gives the measurements). Each run writes
+each: by default two single-threaded runs side by side, which finish more per hour than one on two
+threads (1.5 times as much on the 2-core AMD EPYC of later runs; docs/results.md gives the
+measurements); ``--jobs 1 --threads 2`` finishes a single run sooner, for one that would not
+otherwise fit the hours the machine is there. Each run writes
 its log (one line an epoch) to ``RUNS/<name>/log.txt``. A run whose metrics.json exists is not
 repeated; one with a checkpoint but no metrics continues with ``--resume``, so the grid can be
 stopped and started again at any time. Runs go in order of priority: the protocol table (seeds
@@ -691,7 +691,11 @@ def report(runs: Path, docs: Path) -> None:
         "of 32 windows, "
         "prob_sparse, 720-step input, horizon 168): the paper's width 13.0 s on 2 threads (about an hour "
         "an epoch of ~250 steps, 6 hours a run, 70 hours for the 12 runs of prob_sparse and full); "
-        "d_model 256 6.9 s and d_model 128 2.7 s on one thread each, two runs side by side. "
+        "d_model 256 6.9 s and d_model 128 2.7 s on one thread each, two runs side by side. On the "
+        "2-core AMD EPYC of later runs (the same step at d_model 128, `attnzoo forecast ... --time-steps 5`, "
+        "medians): 2.3 s alone on 2 threads, 3.0 s alone on one, 2.9 and 3.3 s for each of two side "
+        "by side on one thread each: two runs side by side finish 1.5 times as many steps an hour as "
+        "one on two threads, which finishes a single run a quarter sooner. "
         f"{grid_pace(found)}The narrower model is the widest at which the grid fits in days, not weeks.",
         "",
         f"Every run: `attnzoo {' '.join(['forecast', config])} --seq-len N --label-len M --pred-len H "
