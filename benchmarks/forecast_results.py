@@ -56,9 +56,10 @@ LENGTH_MECHANISMS = ["prob_sparse", "full", "log_sparse", "linear"]
 # 13 s on this machine's 2 threads (~1 h an epoch); d_model 128 with 8 heads takes 2.7 s on one
 # thread beside a second run (docs/results.md gives the measurements).
 WIDTH = {"d_model": 128, "n_heads": 8, "d_ff": 512}
+BATCH = 32
 CONFIG = ["--features", "S", "--target", "OT", "--d-model", str(WIDTH["d_model"]),
           "--n-heads", str(WIDTH["n_heads"]), "--e-layers", "2", "--d-layers", "1",
-          "--d-ff", str(WIDTH["d_ff"]), "--dropout", "0.05", "--batch-size", "32", "--lr", "1e-4",
+          "--d-ff", str(WIDTH["d_ff"]), "--dropout", "0.05", "--batch-size", str(BATCH), "--lr", "1e-4",
           "--epochs", "6", "--patience", "3"]
 # Informer (Zhou et al., AAAI 2021), Table 1, ETTh1 univariate: (MSE, MAE) at each horizon.
 PAPER = {"Informer (prob_sparse)": {24: (0.098, 0.247), 48: (0.158, 0.319), 168: (0.183, 0.346)},
@@ -151,13 +152,14 @@ def train(runs: Path, run: Run, threads: int = 1) -> str:
     return "finished" if code == 0 else f"failed (exit {code}; see {out / 'log.txt'})"
 
 
-def measure_cost(runs: Path, threads: int, steps: int = COST_STEPS) -> Path:
-    """Time a training step of every cell of the input-length study, one process after another on this
-    machine (`attnzoo forecast ... --time-steps`), into ``RUNS/cost.json``: the study's times and
-    memory measured together, where its runs' own were timed on different machines and beside
-    different neighbours."""
-    cells = []
-    for run in length_study():
+def measure_cost(runs: Path, threads: int, cells: list[Run], steps: int = COST_STEPS) -> Path:
+    """Time a training step of each of ``cells`` (of the input-length study), one process after another
+    on this machine (`attnzoo forecast ... --time-steps`), into ``RUNS/cost.json`` as each finishes
+    (over what it held for the same cell): the study's times and memory measured together, where its
+    runs' own were timed on different machines and beside different neighbours."""
+    path = runs / COST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for i, run in enumerate(cells, start=1):
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, "-m", "attnzoo", *run.args(threads), "--time-steps", str(steps),
                    "--out", tmp]
@@ -166,13 +168,12 @@ def measure_cost(runs: Path, threads: int, steps: int = COST_STEPS) -> Path:
                 raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stdout[-2000:]}"
                                    f"{done.stderr[-2000:]}")
             cost = json.loads((Path(tmp) / "steps.json").read_text())
-        cells.append({"mechanism": run.mech, "seq_len": run.seq_len, "label_len": run.label_len,
-                      "pred_len": run.pred_len, **cost})
+        measured = read_cost(runs) | {(run.mech, run.seq_len): {
+            "mechanism": run.mech, "seq_len": run.seq_len, "label_len": run.label_len,
+            "pred_len": run.pred_len, "batch_size": BATCH, **cost}}
+        path.write_text(json.dumps({"cells": list(measured.values())}, indent=1) + "\n")
         print(f"{time.strftime('%H:%M')}  {run.mech} at {run.seq_len}: {cost['seconds_median']:.2f} s a "
-              f"step, {_mib(cost['peak_rss_mib'])} MiB  ({len(cells)} of {len(length_study())})", flush=True)
-    path = runs / COST
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"steps": steps, "batch_size": 32, "cells": cells}, indent=1) + "\n")
+              f"step, {_mib(cost['peak_rss_mib'])} MiB  ({i} of {len(cells)})", flush=True)
     return path
 
 
@@ -185,8 +186,9 @@ def read_cost(runs: Path) -> dict[tuple[str, int], dict]:
 
 def cost_setting(cost: dict[tuple[str, int], dict]) -> str:
     """Where and how the cost was measured, in words ('' for none)."""
-    settings = {(c["cpu"], c["threads"]) for c in cost.values()}
-    return "; ".join(f"{cpu}, {_count(t, 'thread')}" for cpu, t in sorted(settings))
+    settings = {(c["cpu"], c["threads"], c["batch_size"], len(c["seconds_each"])) for c in cost.values()}
+    return "; ".join(f"{cpu}, {_count(t, 'thread')}, the median of {n} steps of {b} windows"
+                     for cpu, t, b, n in sorted(settings))
 
 
 # --- swap at inference -------------------------------------------------------------------------
@@ -262,9 +264,11 @@ def swap(runs: Path, run: Run) -> Path:
         return path
     torch.set_num_threads(1)
     trained = metrics(runs, run)
-    data = load_forecast_data(trained["data"], target=trained["target"], features=trained["features"],
+    # (a record names its data relative to the folder its run was started from: the repository's)
+    data_path = Path(trained["data"]) if Path(trained["data"]).is_absolute() else ROOT / trained["data"]
+    data = load_forecast_data(data_path, target=trained["target"], features=trained["features"],
                               seq_len=run.seq_len, label_len=run.label_len, pred_len=run.pred_len)
-    test = DataLoader(data.test, batch_size=32)
+    test = DataLoader(data.test, batch_size=BATCH)
     weights = torch.load(runs / run.name / "best.pt", weights_only=True)
     own = trained["test"]["mse"]
     for mech in todo:  # full first: it must give the run's own test metrics again
@@ -389,7 +393,7 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
     seconds = [m["seconds_per_epoch"] for _, m in done if m.get("seconds_per_epoch") and not mixed]
     peak = [m["peak_rss_mib"] for _, m in done if m.get("peak_rss_mib")]
     # (the records from before runs recorded their threads all ran on one)
-    threads = sorted({t for _, m in done for t in m.get("threads", [1])})
+    threads = sorted({t for _, m in done for t in m.get("threads") or [1]})
     return {"mechanism": run.mech, "seq_len": run.seq_len, "label_len": run.label_len,
             "pred_len": run.pred_len, "features": "S", "revin": run.revin,
             "mse": statistics.mean(mse), "mae": statistics.mean(m["test"]["mae"] for _, m in done),
@@ -554,7 +558,7 @@ def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
         return ""
     by_setting: dict[tuple[str, str], list[dict]] = {}
     for m in done:
-        threads = "/".join(str(t) for t in m.get("threads", [1]))
+        threads = "/".join(str(t) for t in m.get("threads") or [1])
         by_setting.setdefault((" + ".join(m.get("cpus") or ["a CPU not recorded"]), threads), []).append(m)
 
     def span(xs: list[float]) -> str:
@@ -604,6 +608,16 @@ def _mib(x: float | None) -> str:
     return "—" if x is None else f"{x:.0f}"
 
 
+def _length_points(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict],
+                   mech: str) -> list[list[tuple[int, float]]]:
+    """(input length, value) of ``mech``: its runs' test MSE, then its measured step's seconds and
+    peak memory."""
+    measured = [c for n in LENGTHS if (c := cost.get((mech, n)))]
+    return [[(n, r["mse"]) for n, r in length_rows(rows, mech)],
+            *([(c["seq_len"], c[key]) for c in measured if c[key] is not None]
+              for key in ("seconds_median", "peak_rss_mib"))]
+
+
 def plot_lengths(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict], path: Path) -> bool:
     """Test MSE of the study's runs, and the time and peak memory of a training step of each cell
     measured together (``cost``), against input length: False where there is nothing to draw."""
@@ -614,30 +628,26 @@ def plot_lengths(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict], pat
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     drawn = False
-    for mech in LENGTH_MECHANISMS:
-        lines = [[(n, r["mse"]) for n, r in length_rows(rows, mech)],
-                 *([(n, c[key]) for n in LENGTHS if (c := cost.get((mech, n))) and c[key] is not None]
-                   for key in ("seconds_median", "peak_rss_mib"))]
-        for ax, pts in zip(axes, lines, strict=True):
+    for i, mech in enumerate(LENGTH_MECHANISMS):
+        for ax, pts in zip(axes, _length_points(rows, cost, mech), strict=True):
             if pts:
                 drawn = True
-                ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=mech)
+                ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", color=f"C{i}", label=mech)
     if not drawn:
         plt.close(fig)
         return False
     axes[0].axhline(S4[168], color="gray", linestyle=":", label="S4, best published")
-    where = cost_setting(cost) or "not measured yet"
-    for ax, title in zip(axes, ("test MSE at horizon 168", f"a training step of 32 windows (s),\n{where}",
-                                "peak memory of a training step (MiB)"), strict=True):
+    titles = ("test MSE at horizon 168", f"a training step (s),\n{cost_setting(cost) or 'not measured yet'}",
+              "peak memory of the process of the step (MiB)")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xticks(LENGTHS, [str(n) for n in LENGTHS])
         ax.set_xlabel("input length (steps)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-            break
+    # one legend for the three panels: a mechanism may have a measured step and no run yet
+    handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    axes[0].legend(handles.values(), handles.keys(), fontsize=8)
     fig.suptitle("ETTh1 univariate: what a longer input buys, and what it costs, per mechanism")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -717,8 +727,8 @@ def report(runs: Path, docs: Path) -> None:
         "Horizon 168, seed 0; decoder start token 48, 168, 336, 336 steps for inputs 96, 336, 720, 1440. "
         "What each cell costs is measured together, one process after another on one quiet machine "
         f"(`benchmarks/forecast_results.py --cost`; {cost_setting(cost) or 'not measured yet'}): a "
-        f"training step of 32 windows (forward, backward and Adam), the median of {COST_STEPS} after one "
-        "untimed, and the peak resident memory of the process that ran them. Each run's own figures "
+        "training step (forward, backward and Adam), the median of those steps after one untimed, and "
+        "the peak resident memory of the process that ran them. Each run's own figures "
         "follow: seconds an epoch of training and validation, on the CPU and threads its column names "
         "(one thread: a second run beside it on the other core), and its peak resident memory (the "
         "highest of its processes, where it was resumed); they compare only within one setting.", "",
@@ -749,10 +759,11 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", action="store_true", help="only rebuild the docs from finished runs")
     parser.add_argument("--cost", action="store_true",
-                        help=f"time a training step of every cell of the input-length study into RUNS/{COST} "
-                             "(on a quiet machine: minutes), then report")
+                        help=f"time a training step of every cell of the input-length study (or those --only "
+                             f"names) into RUNS/{COST} (on a quiet machine: minutes), then report")
     parser.add_argument("--list", action="store_true", help="every run of the grid and whether it is done")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="runs at a time (default: 2 on one thread each, else 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
     parser.add_argument("--only", action="append", metavar="GLOB",
                         help="train (or --list) only the runs whose name matches, e.g. '*-in96-*'; "
@@ -761,14 +772,16 @@ def main() -> int:
     parser.add_argument("--docs", default=str(ROOT / "docs"), help="where the report goes")
     args = parser.parse_args()
     runs, todo = Path(args.runs), only(grid(), args.only)
-    if not todo:
-        parser.error(f"--only {' '.join(args.only)}: no run of the grid matches (see --list)")
+    jobs = args.jobs or (2 if args.threads == 1 else 1)
+    if not todo or (args.cost and not only(length_study(), args.only)):
+        where = "the input-length study" if args.cost else "the grid"
+        parser.error(f"--only {' '.join(args.only)}: no run of {where} matches (see --list)")
     if args.list:
         for run in todo:
             print(f"{'done' if metrics(runs, run) else '    '}  {run.name}")
         return 0
     if args.cost:
-        measure_cost(runs, args.threads)
+        measure_cost(runs, args.threads, only(length_study(), args.only))
     elif not args.report:
         def one(run: Run) -> None:
             started = time.monotonic()
@@ -785,7 +798,7 @@ def main() -> int:
             print(f"{time.strftime('%H:%M')}  {ended}  {run.name}  "
                   f"({(time.monotonic() - started) / 60:.0f} min)", flush=True)
 
-        with ThreadPoolExecutor(args.jobs) as pool:
+        with ThreadPoolExecutor(jobs) as pool:
             list(pool.map(one, todo))
     report(runs, Path(args.docs))
     return 0

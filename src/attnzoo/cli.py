@@ -310,6 +310,7 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
 
 
 def _time_steps(cfg, steps: int, console: Console) -> int:
+    """``attnzoo forecast --time-steps``: :func:`attnzoo.models.time_steps` of ``cfg`` (a TrainConfig)."""
     import json
     from pathlib import Path
 

@@ -34,10 +34,10 @@ def write_cost(runs: Path, cells: dict[tuple[str, int], tuple[float, float]], cp
                threads: int = 2) -> None:
     """Write the cost.json `--cost` leaves: (mechanism, input) -> (seconds a step, peak MiB)."""
     runs.mkdir(parents=True, exist_ok=True)
-    (runs / fr.COST).write_text(json.dumps({"steps": 5, "batch_size": 32, "cells": [
-        {"mechanism": m, "seq_len": n, "label_len": fr.LENGTH_LABEL[n], "pred_len": 168,
-         "seconds_median": sec, "peak_rss_mib": peak, "cpu": cpu, "threads": threads}
-        for (m, n), (sec, peak) in cells.items()]}))
+    (runs / fr.COST).write_text(json.dumps({"cells": [
+        {"mechanism": m, "seq_len": n, "label_len": fr.LENGTH_LABEL[n], "pred_len": 168, "batch_size": 32,
+         "seconds_each": [sec] * 5, "seconds_median": sec, "peak_rss_mib": peak, "cpu": cpu,
+         "threads": threads} for (m, n), (sec, peak) in cells.items()]}))
 
 
 def protocol(mech: str, h: int, seed: int = 0, revin: bool = False):
@@ -123,7 +123,8 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     # not yet trained
     assert "| linear | 336 | 0.150 | 0.200 | 0.40 | 900 | 336 | 1500 | CPU A, 1 thread |" in md
     assert "| full | 1440 | — | — | 4.00 | 3000 | — | — | — |" in md
-    assert "(`benchmarks/forecast_results.py --cost`; CPU X, 2 threads)" in md
+    assert "(`benchmarks/forecast_results.py --cost`; CPU X, 2 threads, the median of 5 steps of 32 " \
+        "windows)" in md
     # prob_sparse below the paper at 24, full above it; the best read on seed 0 alone, not the mean of
     # two seeds beside one
     assert "| prob_sparse, change in MSE / MAE from Informer (prob_sparse) in the paper | -13% / -19% " \
@@ -261,25 +262,48 @@ def test_cost_times_each_cell_of_the_study_in_its_own_process(tmp_path, monkeypa
     def fake_run(cmd, **kw):
         seen.append(cmd)
         out = Path(cmd[cmd.index("--out") + 1])
-        (out / "steps.json").write_text(json.dumps({"seconds_median": 0.5, "seconds_each": [0.5],
-                                                    "peak_rss_mib": 900.0, "cpu": "CPU X", "threads": 2}))
+        (out / "steps.json").write_text(json.dumps({"seconds_median": 0.5, "seconds_each": [0.5] * 5,
+                                                    "peak_rss_mib": None, "cpu": "CPU X", "threads": 2}))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(fr.subprocess, "run", fake_run)
-    fr.measure_cost(tmp_path, threads=2)
+    fr.measure_cost(tmp_path, 2, fr.length_study())
     assert len(seen) == len(fr.length_study())
     assert all(" --threads 2 " in " ".join(c) and c[-4:-2] == ["--time-steps", str(fr.COST_STEPS)]
                for c in seen)
     cost = fr.read_cost(tmp_path)
     assert set(cost) == {(r.mech, r.seq_len) for r in fr.length_study()}
-    assert fr.cost_setting(cost) == "CPU X, 2 threads" and cost[("full", 1440)]["label_len"] == 336
-    monkeypatch.setattr(fr.subprocess, "run",
-                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "boom"))
+    assert fr.cost_setting(cost) == "CPU X, 2 threads, the median of 5 steps of 32 windows"
+    assert cost[("full", 1440)]["label_len"] == 336 and cost[("full", 1440)]["batch_size"] == fr.BATCH
+    # a part measured again replaces its own cells alone; a failure keeps what was measured before it
+    calls = []
+
+    def second(cmd, **kw):
+        calls.append(cmd)
+        if len(calls) == 2:
+            return subprocess.CompletedProcess(cmd, 1, "", "boom")
+        (Path(cmd[cmd.index("--out") + 1]) / "steps.json").write_text(json.dumps({
+            "seconds_median": 9.0, "seconds_each": [9.0] * 5, "peak_rss_mib": 1.0, "cpu": "CPU Y",
+            "threads": 2}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fr.subprocess, "run", second)
     with pytest.raises(RuntimeError, match="failed .exit 1.:\nboom"):
-        fr.measure_cost(tmp_path, threads=2)
+        fr.measure_cost(tmp_path, 2, fr.only(fr.length_study(), ["*-in96-*"]))
+    cost = fr.read_cost(tmp_path)
+    assert len(cost) == len(fr.length_study()) and cost[("prob_sparse", 96)]["seconds_median"] == 9.0
+    assert cost[("full", 96)]["seconds_median"] == 0.5
     assert fr.read_cost(tmp_path / "none") == {}
 
 
+def test_length_points_give_each_panel_what_it_has(tmp_path):
+    finish(tmp_path, fr.Run("linear", 96, 48, 168, 0), 0.2)
+    write_cost(tmp_path, {("linear", 336): (1.0, None), ("full", 1440): (4.0, 3000.0)})
+    rows, cost = seed0_of(tmp_path), fr.read_cost(tmp_path)
+    assert fr._length_points(rows, cost, "linear") == [[(96, 0.2)], [(336, 1.0)], []]
+    assert fr._length_points(rows, cost, "full") == [[], [(1440, 4.0)], [(1440, 3000.0)]]
+    assert fr.plot_lengths(rows, cost, tmp_path / "p.png") and (tmp_path / "p.png").exists()
+    assert not fr.plot_lengths({}, {}, tmp_path / "none.png")
 def test_a_cells_time_is_of_one_cpu(tmp_path):
     """Seeds trained on two machines: their times are not averaged into one; their MSE is."""
     finish(tmp_path, protocol("full", 24, 0), 0.06, seconds=600, cpu="CPU A")

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import subprocess
@@ -136,7 +137,16 @@ def test_peak_memory_and_cpus_are_the_runs_across_a_resume(tmp_path, monkeypatch
     metrics = train(_cfg(tmp_path, "c", resume=True))
     assert [r["cpus"] for r in metrics["history"]] == [["CPU A", "CPU B"], ["CPU B"]]
     assert metrics["cpus"] == ["CPU A", "CPU B"]
-    assert metrics["threads"] == [torch.get_num_threads()]
+    # and the thread counts it ran on, the same way
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        train(_cfg(tmp_path, "t", stop_after_steps=2))
+        torch.set_num_threads(2)
+        metrics = train(_cfg(tmp_path, "t", resume=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["threads"] for r in metrics["history"]] == [[1, 2], [2]] and metrics["threads"] == [1, 2]
     assert train(_cfg(tmp_path, "one"))["cpus"] == ["CPU B"]
     monkeypatch.setattr(module, "peak_rss_mib", lambda: None)  # no resource module: no figure
     assert train(_cfg(tmp_path, "q"))["peak_rss_mib"] is None
@@ -176,25 +186,47 @@ def test_cli_smoke_on_shipped_etth1(tmp_path, capsys):
 
 
 def test_record_names_its_data_relative_to_the_working_directory(tmp_path, monkeypatch):
-    # Run from the folder that holds the data, the record reads the same on every clone.
+    # Run from the folder that holds the data, the record reads the same on every clone; from
+    # elsewhere, it names the data by its absolute path.
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert train(_cfg(tmp_path, "a", epochs=1))["data"] == str(_csv(tmp_path))
     monkeypatch.chdir(tmp_path)
     assert train(_cfg(tmp_path, "r", epochs=1))["data"] == str(_csv(tmp_path).relative_to(tmp_path))
 
 
-def test_time_steps_times_training_steps_without_training_a_run(tmp_path, capsys):
-    cost = time_steps(_cfg(tmp_path, "t"), steps=3)
+def _timing(tmp_path, **kw):
+    return dataclasses.replace(_cfg(tmp_path, "t", **kw), max_steps=None)  # (a training option)
+
+
+def test_time_steps_times_training_steps_without_training_a_run(tmp_path, capsys, monkeypatch):
+    module = sys.modules[TrainConfig.__module__]
+    stepped = []
+    real_step = module._step
+    monkeypatch.setattr(module, "_step", lambda *a: stepped.append(a[2][0].shape) or real_step(*a))
+    cost = time_steps(_timing(tmp_path), steps=3)
+    assert len(stepped) == 4  # one untimed, then the 3 timed, each a full batch
+    assert all(shape[0] == 8 for shape in stepped)
     assert len(cost["seconds_each"]) == 3 and all(t > 0 for t in cost["seconds_each"])
     assert cost["seconds_median"] == sorted(cost["seconds_each"])[1]
     assert cost["threads"] == torch.get_num_threads() and cost["cpu"]
     with pytest.raises(ValueError, match="steps must be >= 1"):
-        time_steps(_cfg(tmp_path, "t"), steps=0)
-    with pytest.raises(ValueError, match="fewer than 1001 steps"):
-        time_steps(_cfg(tmp_path, "t"), steps=1000)
+        time_steps(_timing(tmp_path), steps=0)
+    with pytest.raises(ValueError, match="full batches, fewer than 1001 steps"):
+        time_steps(_timing(tmp_path), steps=1000)
+    with pytest.raises(ValueError, match="trains no run: resume, stop_after_steps would do nothing"):
+        time_steps(_timing(tmp_path, resume=True, stop_after_steps=2))
+    monkeypatch.setattr(module, "_distributed", lambda: (0, 2))
+    with pytest.raises(ValueError, match="one process"):
+        time_steps(_timing(tmp_path))
+    monkeypatch.setattr(module, "_distributed", lambda: (0, 1))
+    monkeypatch.setattr(module, "peak_rss_mib", lambda: None)  # where it cannot be read: said so
     csv = _csv(tmp_path)
     assert main(["forecast", "--data", str(csv), "--d-model", "16", "--n-heads", "2", "--d-ff", "32",
                  "--seq-len", "24", "--label-len", "12", "--pred-len", "6", "--time-steps", "2",
                  "--out", str(tmp_path / "cli")]) == 0
-    assert "a training step of 32 windows: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "a training step of 32 windows: " in out and "peak memory not measured here" in out
     assert len(json.loads((tmp_path / "cli" / "steps.json").read_text())["seconds_each"]) == 2
     assert {p.name for p in (tmp_path / "cli").iterdir()} == {"steps.json"}
 

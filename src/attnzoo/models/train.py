@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from attnzoo.data import ETTH1, load_forecast_data
+from attnzoo.data import ETTH1, ForecastData, load_forecast_data
 from attnzoo.machine import cpu_name
 from attnzoo.models.informer import Informer, InformerConfig
 
@@ -122,8 +122,9 @@ def _step(model: nn.Module, optimiser: torch.optim.Optimizer, batch, device) -> 
     return loss.item()
 
 
-def _data_and_model(cfg: TrainConfig, device: torch.device):
-    """The data splits of ``cfg`` and its model, seeded by ``cfg.seed``."""
+def _data_and_model(cfg: TrainConfig, device: torch.device) -> tuple[ForecastData, InformerConfig, Informer]:
+    """The data splits of ``cfg``, its model config completed from the data, and the model on
+    ``device``, its weights seeded by ``cfg.seed``."""
     data = load_forecast_data(cfg.data, target=cfg.target, features=cfg.features,
                               seq_len=cfg.model.seq_len, label_len=cfg.model.label_len,
                               pred_len=cfg.model.pred_len, max_rows=cfg.max_rows)
@@ -133,22 +134,35 @@ def _data_and_model(cfg: TrainConfig, device: torch.device):
     return data, model_cfg, Informer(model_cfg).to(device)
 
 
+def _train_loader(data: ForecastData, cfg: TrainConfig, rank: int, world: int) -> DataLoader:
+    """The training split in the run's order: that of epoch e is a function of (seed, e) alone."""
+    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    return DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
+
+
 def time_steps(cfg: TrainConfig, steps: int = 5) -> dict:
     """What a training step of ``cfg`` costs on this machine, without training a run: the wall seconds
-    of ``steps`` steps (forward, backward and Adam on ``cfg.batch_size`` windows of the training
-    split, in the training order), after one untimed step that warms the caches and builds what is
-    built on first use; their median, the process's peak resident memory, the CPU and the threads.
-    The cost of an epoch's steps apart from its data loading and validation, comparable between
-    mechanisms and lengths measured in one process after another on one quiet machine."""
+    of ``steps`` steps (forward, backward and Adam on the first full batches of ``cfg.batch_size``
+    windows of epoch 1's order), after one untimed step that warms the caches and builds what is
+    built on first use; their median, the peak resident memory of the process (its data and model
+    too, not the step's alone), the CPU and the threads. The cost of an epoch's steps apart from
+    its data loading and validation, comparable between mechanisms and lengths measured in one
+    process after another on one quiet machine. One process, on the first GPU where there is one."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    training_only = [name for name in ("resume", "max_steps", "stop_after_epochs", "stop_after_steps")
+                     if getattr(cfg, name)]
+    if training_only:
+        raise ValueError(f"timing steps trains no run: {', '.join(training_only)} would do nothing")
+    if _distributed()[1] > 1:
+        raise ValueError("timing steps runs in one process: start it without torchrun")
     device = _device(0)
     data, _, model = _data_and_model(cfg, device)
     optimiser = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    if len(loader) < steps + 1:
-        raise ValueError(f"the training split has {len(loader)} batches, fewer than {steps + 1} steps")
+    if len(data.train) // cfg.batch_size < steps + 1:
+        raise ValueError(f"the training split has {len(data.train) // cfg.batch_size} full batches, "
+                         f"fewer than {steps + 1} steps")
+    loader = _train_loader(data, cfg, 0, 1)
     model.train()
     seconds = []
     for i, batch in zip(range(steps + 1), loader, strict=False):
@@ -254,9 +268,9 @@ def _each_once(history: list[dict], key: str) -> list:
 
 def _shown(path: str) -> str:
     """``path`` as a record shows it: relative to the working directory where it lies within it
-    (a run's record then reads the same on every clone), else absolute."""
-    p = Path(path).resolve()
-    return str(p.relative_to(Path.cwd().resolve())) if p.is_relative_to(Path.cwd().resolve()) else str(p)
+    (a run's record then reads the same on every clone run from the same folder), else absolute."""
+    p, here = Path(os.path.abspath(path)), Path.cwd()  # (.. folded away, links left as they are)
+    return str(p.relative_to(here)) if p.is_relative_to(here) else str(p)
 
 
 def _bare(model: nn.Module) -> nn.Module:
@@ -282,8 +296,8 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     optimiser = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda epoch: 0.5**epoch)
-    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
-    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
+    train_loader = _train_loader(data, cfg, rank, world)
+    sampler = train_loader.sampler
     val_loader = DataLoader(data.val, batch_size=cfg.batch_size)
     test_loader = DataLoader(data.test, batch_size=cfg.batch_size)
     within = {"batches_done": 0, "loss_sum": 0.0, "seconds": 0.0, "epoch_cpus": [],  # of the epoch under way
