@@ -45,8 +45,10 @@ def test_every_mechanism_compiles_to_the_eager_answer(name, causal):
         torch.testing.assert_close(got_leaf.grad, want_leaf.grad, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("name, causal", [("local", True), ("linear", True), ("prob_sparse", True)])
-def test_inductor_compiles_a_few(name, causal):
+@pytest.mark.parametrize("name, causal", [("linear", True)])
+def test_inductor_compiles_around_the_custom_ops(name, causal):
+    """Inductor's code generation, once (its first compile costs about 25 s on 2 cores): around the C
+    kernels' custom operators. The tracing of every mechanism is the aot_eager test's."""
     torch.compiler.reset()
     q, k, v, key_mask = _inputs()
     out = torch.compile(_attend(name, causal))(q, k, v, key_mask)

@@ -19,7 +19,7 @@ from attnzoo.mechanisms.full import softmax_reference
 from attnzoo.mechanisms.nystrom import segment_means
 from backends.cpu.spies import kernel_spy, override_answers
 
-from mechanism_checks import check_gradcheck
+from mechanism_checks import NATIVE_WIDTHS, check_gradcheck
 
 
 def _fast_and_portable(fn, inputs, grad, *, with_grad=True):
@@ -188,14 +188,14 @@ def _few_queries_checked(q, k, v, key_mask, scale, grad, atol, rtol):
 
 @settings(max_examples=30, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 3), m=st.integers(1, 23),
-       Lk=st.sampled_from([1, 5, 127, 128, 129, 300]), D=st.sampled_from([1, 3, 8, 16]),
-       Dv=st.sampled_from([1, 5, 8]), layer=st.booleans(), masked=st.booleans(), seed=st.integers(0, 99))
-def test_native_few_queries_matches_the_reference(B, H, m, Lk, D, Dv, layer, masked, seed):
+       Lk=st.sampled_from([1, 5, 127, 128, 129, 300]), widths=NATIVE_WIDTHS, layer=st.booleans(),
+       masked=st.booleans(), seed=st.integers(0, 99))
+def test_native_few_queries_matches_the_reference(B, H, m, Lk, widths, layer, masked, seed):
     """Few-queries attention in C (nystrom's landmark queries over the keys), forward and, under
     autograd, gradients through FewQueries, against the plain softmax in float64: odd counts of
     queries (past the last four), keys across the blocks of 128 (1, 127, 128, 129, 300), padded
     keys, a batch entry with none (0, lse -inf), k and v in a layer's layout or contiguous."""
-    q, k, v, key_mask, grad = _few_queries_inputs(B, H, m, Lk, D, Dv, layer, masked, seed)
+    q, k, v, key_mask, grad = _few_queries_inputs(B, H, m, Lk, *widths, layer, masked, seed)
     _few_queries_checked(q, k, v, key_mask, 0.3, grad, atol=1e-12, rtol=1e-10)
 
 
@@ -344,12 +344,13 @@ def _few_keys_checked(q, k, v, scale, grad, atol, rtol):
 
 @settings(max_examples=30, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 3), Lq=st.integers(1, 23),
-       n=st.sampled_from([1, 5, 63, 64, 65, 130]), D=st.sampled_from([1, 3, 8, 16]),
-       Dv=st.sampled_from([1, 5, 8]), layer=st.booleans(), seed=st.integers(0, 99))
-def test_native_few_keys_matches_the_reference(B, H, Lq, n, D, Dv, layer, seed):
+       n=st.sampled_from([1, 5, 63, 64, 65, 130]), widths=NATIVE_WIDTHS, layer=st.booleans(),
+       seed=st.integers(0, 99))
+def test_native_few_keys_matches_the_reference(B, H, Lq, n, widths, layer, seed):
     """Few-keys attention in C (linformer's projected keys, nystrom's landmarks), forward and
     gradients, against the plain softmax in float64: odd lengths, n across the 64 scores a
     product computes a row (1, 63, 64, 65, 130), q in a layer's layout or contiguous."""
+    D, Dv = widths
     q, k, v = _few_keys_inputs(B, H, Lq, n, D, Dv, layer, seed)
     grad = torch.randn(B, H, Lq, Dv, dtype=q.dtype, generator=torch.Generator().manual_seed(seed))
     _few_keys_checked(q, k, v, 0.3, grad, atol=1e-12, rtol=1e-10)

@@ -17,7 +17,7 @@ from attnzoo.mechanisms import lsh
 from attnzoo.mechanisms.lsh import LSHOptions, _buckets_and_order, _meets
 from backends.cpu.spies import kernel_spy
 
-from mechanism_checks import check_against_reference, random_inputs, tied_hash_inputs
+from mechanism_checks import NATIVE_WIDTHS, check_against_reference, random_inputs, tied_hash_inputs
 
 
 def _lsh(q, k, v, km, generator_seed, reference=False, **options):
@@ -31,18 +31,19 @@ def _lsh(q, k, v, km, generator_seed, reference=False, **options):
 # The rounds in C (from tests/backends/cpu/test_native.py)
 
 @settings(max_examples=60, deadline=None)
-@given(B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 120), D=st.sampled_from([1, 3, 8, 17]),
-       Dv=st.sampled_from([1, 5, 8]), bucket_size=st.sampled_from([1, 2, 5, 8, 37]),
+@given(B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 120), widths=NATIVE_WIDTHS,
+       bucket_size=st.sampled_from([1, 2, 5, 8, 37]),
        n_hashes=st.integers(1, 4),
        across=st.booleans(), count_duplicates=st.booleans(), shared=st.booleans(), causal=st.booleans(),
        masked=st.booleans(), seed=st.integers(0, 99))
-def test_native_lsh_matches_eager_and_reference_float64(B, H, L, D, Dv, bucket_size, n_hashes, across,
+def test_native_lsh_matches_eager_and_reference_float64(B, H, L, widths, bucket_size, n_hashes, across,
                                                         count_duplicates, shared, causal, masked, seed):
     """LSH's forward without gradients in C: every round's chunks and windows (the last chunk
     short, chunk 0 without one before), buckets, causality, keys met in earlier rounds (counted
     once or not), the self penalty, padded keys and queries with no key at all, widths off the
     vector lanes, chunks of more than one tile of queries (37), against the eager rounds and
     the dense reference, in float64."""
+    D, Dv = widths
     q, k, v, km = random_inputs(B, H, L, L, D, Dv, seed=seed, masked=masked)
     k = q if shared else k
     options = dict(causal=causal, bucket_size=bucket_size, n_hashes=n_hashes, attend_across_buckets=across,
@@ -251,14 +252,15 @@ def _attend_both(q, k, v, km, causal, opts, seed, grad_of):
 
 
 @settings(max_examples=30, deadline=None)
-@given(B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 60), D=st.sampled_from([1, 3, 8]),
-       Dv=st.sampled_from([1, 5]), bucket_size=st.sampled_from([1, 3, 8]), n_hashes=st.integers(1, 3),
+@given(B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 60), widths=NATIVE_WIDTHS,
+       bucket_size=st.sampled_from([1, 3, 8]), n_hashes=st.integers(1, 3),
        across=st.booleans(), dup=st.booleans(), shared=st.booleans(), causal=st.booleans(),
        masked=st.booleans(), grad=st.booleans(), native=st.sampled_from(["1", "0"]), seed=st.integers(0, 99))
-def test_attend_override_matches_portable_float64(B, H, L, D, Dv, bucket_size, n_hashes, across, dup,
+def test_attend_override_matches_portable_float64(B, H, L, widths, bucket_size, n_hashes, across, dup,
                                                   shared, causal, masked, grad, native, seed):
     """The override (in C without gradients, else the groups) against the portable body on the
     same buckets and orders, in float64: outputs, and under autograd the gradients of q, k, v."""
+    D, Dv = widths
     q, k, v, km = random_inputs(B, H, L, L, D, Dv, seed=seed, masked=masked, requires_grad=grad,
                                 device="cpu")
     k = q if shared else k

@@ -14,7 +14,7 @@ from attnzoo.backends.cpu import native as _native
 from attnzoo.mechanisms.linear import LinearOptions, linear_flops, linear_step
 from backends.cpu.spies import kernel_spy
 
-from mechanism_checks import check_against_reference, check_gradcheck, random_inputs
+from mechanism_checks import NATIVE_WIDTHS, check_against_reference, check_gradcheck, random_inputs
 
 
 def _outputs(q, k, v, km, monkeypatch, causal=True):
@@ -31,12 +31,13 @@ def _outputs(q, k, v, km, monkeypatch, causal=True):
 
 @settings(max_examples=40, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 3), Lq=st.integers(1, 23), Lk=st.integers(1, 23),
-       D=st.sampled_from([1, 3, 8, 17]), Dv=st.sampled_from([1, 5, 8]), masked=st.booleans(),
+       widths=NATIVE_WIDTHS, masked=st.booleans(),
        causal=st.booleans(), seed=st.integers(0, 99))
-def test_native_matches_eager_and_reference_float64(B, H, Lq, Lk, D, Dv, masked, causal, seed):
+def test_native_matches_eager_and_reference_float64(B, H, Lq, Lk, widths, masked, causal, seed):
     """Odd and unequal lengths (causal: keys before the first query, queries before the first
     key), padded keys, widths that are no multiple of a vector (the lanes' zero padding), B and
     H > 1 (heads split among threads), in float64 (C's exp): to the reference's rounding."""
+    D, Dv = widths
     q, k, v, km = random_inputs(B, H, Lq, Lk, D, Dv, seed=seed, masked=masked)
     with pytest.MonkeyPatch.context() as mp:
         native, eager, ref = _outputs(q, k, v, km, mp, causal)
@@ -225,10 +226,11 @@ def test_native_causal_backward_carries_the_states_gradient():
 
 @settings(max_examples=30, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 3), Lq=st.integers(1, 23), Lk=st.integers(1, 23),
-       D=st.sampled_from([1, 3, 8, 17]), Dv=st.sampled_from([1, 5, 8]), masked=st.booleans(),
+       widths=NATIVE_WIDTHS, masked=st.booleans(),
        seed=st.integers(0, 99))
-def test_native_efficient_matches_eager_and_reference(B, H, Lq, Lk, D, Dv, masked, seed):
+def test_native_efficient_matches_eager_and_reference(B, H, Lq, Lk, widths, masked, seed):
     """Efficient attention in C, forward and gradients, against the reference and the eager engine."""
+    D, Dv = widths
     q, k, v, km = random_inputs(B, H, Lq, Lk, D, Dv, seed=seed, masked=masked, requires_grad=True)
     g = torch.randn(B, H, Lq, Dv, dtype=q.dtype)
     results = []
