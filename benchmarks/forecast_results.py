@@ -392,8 +392,7 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
     mixed = cpu is None and any(m.get("cpus") for _, m in done)
     seconds = [m["seconds_per_epoch"] for _, m in done if m.get("seconds_per_epoch") and not mixed]
     peak = [m["peak_rss_mib"] for _, m in done if m.get("peak_rss_mib")]
-    # (the records from before runs recorded their threads all ran on one)
-    threads = sorted({t for _, m in done for t in m.get("threads") or [1]})
+    threads = sorted({t for _, m in done for t in _threads(m)})
     return {"mechanism": run.mech, "seq_len": run.seq_len, "label_len": run.label_len,
             "pred_len": run.pred_len, "features": "S", "revin": run.revin,
             "mse": statistics.mean(mse), "mae": statistics.mean(m["test"]["mae"] for _, m in done),
@@ -407,6 +406,11 @@ def summary(done: list[tuple[Run, dict]]) -> dict:
             **WIDTH,
             "command": "attnzoo " + " ".join(run.args(threads[0] if len(threads) == 1 else "{threads}"))
                                        .replace(f"--seed {run.seed}", "--seed {seed}")}
+
+
+def _threads(record: dict) -> list[int]:
+    """The torch thread counts a run trained on (the records from before runs recorded them: one)."""
+    return record.get("threads") or [1]
 
 
 def _cpu(records: list[dict]) -> str | None:
@@ -558,7 +562,7 @@ def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
         return ""
     by_setting: dict[tuple[str, str], list[dict]] = {}
     for m in done:
-        threads = "/".join(str(t) for t in m.get("threads") or [1])
+        threads = "/".join(str(t) for t in _threads(m))
         by_setting.setdefault((" + ".join(m.get("cpus") or ["a CPU not recorded"]), threads), []).append(m)
 
     def span(xs: list[float]) -> str:
