@@ -172,8 +172,8 @@ def measure_cost(runs: Path, threads: int, cells: list[Run], steps: int = COST_S
             "mechanism": run.mech, "seq_len": run.seq_len, "label_len": run.label_len,
             "pred_len": run.pred_len, "batch_size": BATCH, **cost}}
         path.write_text(json.dumps({"cells": list(measured.values())}, indent=1) + "\n")
-        print(f"{time.strftime('%H:%M')}  {run.mech} at {run.seq_len}: {cost['seconds_median']:.2f} s a "
-              f"step, {_mib(cost['peak_rss_mib'])} MiB  ({i} of {len(cells)})", flush=True)
+        _say(f"{run.mech} at {run.seq_len}: {cost['seconds_median']:.2f} s a step, "
+             f"{_mib(cost['peak_rss_mib'])} MiB  ({i} of {len(cells)})")
     return path
 
 
@@ -299,6 +299,15 @@ def swap(runs: Path, run: Run) -> Path:
 
 
 _ONE_SWAP_AT_A_TIME = threading.Lock()
+_ONE_LINE_AT_A_TIME = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """A line of the grid's progress after the time, written whole from any run's thread (two
+    prints at once ran together on one line)."""
+    with _ONE_LINE_AT_A_TIME:
+        sys.stdout.write(f"{time.strftime('%H:%M')}  {line}\n")
+        sys.stdout.flush()
 
 
 def swap_source(run: Run) -> bool:
@@ -789,7 +798,7 @@ def main() -> int:
     elif not args.report:
         def one(run: Run) -> None:
             started = time.monotonic()
-            print(f"{time.strftime('%H:%M')}  start  {run.name}", flush=True)
+            _say(f"start  {run.name}")
             ended = train(runs, run, args.threads)
             record = metrics(runs, run)  # (a record rebuilt after its machine was lost has no weights)
             if swap_source(run) and record is not None and "recovered" not in record:
@@ -797,10 +806,8 @@ def main() -> int:
                     with _ONE_SWAP_AT_A_TIME:  # it seeds torch's global generator
                         swap(runs, run)
                 except Exception as e:  # the other runs go on; the next grid run tries it again
-                    print(f"{time.strftime('%H:%M')}  swap failed  {run.name}: {type(e).__name__}: {e}",
-                          flush=True)
-            print(f"{time.strftime('%H:%M')}  {ended}  {run.name}  "
-                  f"({(time.monotonic() - started) / 60:.0f} min)", flush=True)
+                    _say(f"swap failed  {run.name}: {type(e).__name__}: {e}")
+            _say(f"{ended}  {run.name}  ({(time.monotonic() - started) / 60:.0f} min)")
 
         with ThreadPoolExecutor(jobs) as pool:
             list(pool.map(one, todo))

@@ -91,12 +91,14 @@ def test_without_the_kernel_the_eager_engine_answers(monkeypatch, tmp_path, how)
         monkeypatch.setenv("CC", "/nonexistent/cc" if how == "no compiler" else "false")
     q, k, v, km = random_inputs(B=1, H=2, Lq=9, Lk=11, D=7, Dv=3, masked=True, seed=1)
     S, z = torch.zeros(1, 2, 7, 3, dtype=q.dtype), torch.zeros(1, 2, 7, dtype=q.dtype)
-    with warnings.catch_warnings(record=True) as said:  # a failed build says so, once a shape
+    with warnings.catch_warnings(record=True) as said:  # a failed build says so, once a family and shape
         warnings.simplefilter("always")
-        assert _native.causal_linear(q, k[:, :, :9], v[:, :, :9], S, z, None, 1e-6) is None
-        assert _native.linear(q, k, v, km, 1e-6) is None
-    assert [str(w.message)[:40] for w in said] == (
-        ["attnzoo: the native kernels (double, D=7"] if how == "build fails" else [])
+        for _ in range(2):
+            assert _native.causal_linear(q, k[:, :, :9], v[:, :, :9], S, z, None, 1e-6) is None
+            assert _native.linear(q, k, v, km, 1e-6) is None
+    assert [str(w.message).split(")")[0] for w in said] == (
+        [f"attnzoo: the native kernels ({family}, double, D=7, Dv=3"
+         for family in ("causal_linear", "linear")] if how == "build fails" else [])
     assert _native.available() == (how == "build fails")
     for causal in (True, False):
         with torch.no_grad():
@@ -113,6 +115,20 @@ def test_a_cache_it_cannot_write_builds_in_the_temporary_folder(monkeypatch, tmp
     q, k, v, _ = random_inputs(B=1, H=2, Lq=9, Lk=9, D=7, Dv=2, seed=4)
     S, z = torch.zeros(1, 2, 7, 2, dtype=q.dtype), torch.zeros(1, 2, 7, dtype=q.dtype)
     assert _native.causal_linear(q, k, v, S, z, None, 1e-6) is not None
+
+
+def test_a_first_call_builds_its_own_family_of_kernels_only(monkeypatch, tmp_path):
+    """Each family of kernels is a build of its own: a first call of linear attention compiles
+    linear's entry points, none of the other families' (the first call's wait)."""
+    monkeypatch.setenv("ATTNZOO_CACHE", str(tmp_path))
+    _native._library.cache_clear()
+    q, k, v, _ = random_inputs(B=1, H=2, Lq=9, Lk=9, D=7, Dv=2, seed=4)
+    assert _native.linear(q, k, v, None, 1e-6) is not None
+    assert [p.name.rsplit("_", 1)[0] for p in tmp_path.iterdir()] == ["kernels_linear_double_7x2"]
+    lib = _native._kernels("linear", q, k, v)
+    assert hasattr(lib, "linear_keys") and not hasattr(lib, "causal_linear")
+    others = ("efficient", "few_keys", "few_queries", "lsh")
+    assert not any(hasattr(lib, f"{name}_forward") for name in others)
 
 
 def test_flops_count_the_recurrence_where_it_runs(monkeypatch):
@@ -155,7 +171,7 @@ def test_heads_split_by_openmp_or_by_python_give_the_same(monkeypatch, two_threa
         flags = [*_native._flags(), "-fopenmp"] if openmp else _native._flags()
         monkeypatch.setattr(_native, "_flag_sets", lambda flags=flags: [flags])
         _native._library.cache_clear()
-        assert _native._kernels(q, k, v).splits_heads == openmp
+        assert _native._kernels("linear", q, k, v).splits_heads == openmp
         got[openmp] = (*_trained(mechanism, q, k, v, km, g),
                        _native.causal_linear(q[:, :, :11], k, v, S, z, None, 1e-6)[0])
     _native._library.cache_clear()

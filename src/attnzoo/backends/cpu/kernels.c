@@ -24,7 +24,16 @@
 #endif
 
 #ifndef DK
-#error "compile with -DDK=<key features> -DDV=<value width> -DREAL=<float|double>"
+#error "compile with -DDK=<key features> -DDV=<value width> -DREAL=<float|double> -DFAMILY_<name>"
+#endif
+
+/* A build holds one family's entry points, FAMILY_CAUSAL_LINEAR, FAMILY_LINEAR, FAMILY_EFFICIENT,
+ * FAMILY_FEW_KEYS, FAMILY_FEW_QUERIES or FAMILY_LSH (each entry point below is guarded by its
+ * family's name); the compiler drops the static helpers the build does not call, so a first
+ * call waits for its own family's compile only, a fraction of the whole file's. */
+#if !(defined(FAMILY_CAUSAL_LINEAR) || defined(FAMILY_LINEAR) || defined(FAMILY_EFFICIENT) \
+      || defined(FAMILY_FEW_KEYS) || defined(FAMILY_FEW_QUERIES) || defined(FAMILY_LSH))
+#error "compile with -DFAMILY_<name>: one of the families above"
 #endif
 
 /* Linear's and efficient's heads are split among the threads of the OpenMP runtime that torch's
@@ -275,6 +284,7 @@ static AI void two_steps(
  * DK (DV) contiguous values, heads q_head (k_head, v_head) values apart; key_ok (n_heads, L)
  * or null: 0 for a padded key (no part in the state); out (n_heads, L, DV) contiguous;
  * S (n_heads, DK, DV) and z (n_heads, DK): the state before, overwritten by the state after. */
+#ifdef FAMILY_CAUSAL_LINEAR
 void causal_linear(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok,
                    int64_t q_head, int64_t k_head, int64_t v_head, REAL *out, REAL *S, REAL *z,
                    int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
@@ -295,6 +305,7 @@ void causal_linear(const REAL *q, const REAL *k, const REAL *v, const uint8_t *k
         }
     }
 }
+#endif
 
 /* Row r of a group of four starting at t: its address (the last row's past the end, where
  * it takes no part) and whether it takes part. */
@@ -449,6 +460,7 @@ static const REAL ONES[4] = {1, 1, 1, 1};
 /* Non-causal keys: S = sum_j phi(k_j) v_j^T (n_heads, DK, DV) and z = sum_j phi(k_j)
  * (n_heads, DK), written (not added), over the keys key_ok keeps (null: all); layout as
  * causal_linear's. Four keys a pass through S. */
+#ifdef FAMILY_LINEAR
 void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                  REAL *S, REAL *z, int64_t n_heads, int64_t L, REAL floor_) {
     OVER_HEADS
@@ -465,9 +477,11 @@ void linear_keys(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_
         }
     }
 }
+#endif
 
 /* Non-causal queries: out = phi(q)^T S / (phi(q) . z + eps) from linear_keys' S and z, four
  * queries a pass through S. */
+#ifdef FAMILY_LINEAR
 void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z, REAL *out,
                     int64_t n_heads, int64_t L, REAL eps, REAL floor_) {
     const int stream = can_stream(out, DV);
@@ -485,6 +499,7 @@ void linear_queries(const REAL *q, int64_t q_head, const REAL *S, const REAL *z,
         streams_done(); /* (each thread its own) */
     }
 }
+#endif
 
 /* phi'(x) from phi(x): 1 above 0, e^x = phi(x) below. */
 static inline REAL phi_slope(REAL f) { return f < 1 ? f : 1; }
@@ -494,6 +509,7 @@ static inline REAL phi_slope(REAL f) { return f < 1 ? f : 1; }
  * dq = (df + gden z) * phi'(q) (n_heads, L, DK); dS = sum f gn^T (n_heads, DK, DV) and
  * dz = sum f gden (n_heads, DK), written. Four queries a pass through S^T and dS.
  * Returns 0, or -1 where memory for S^T could not be had. */
+#ifdef FAMILY_LINEAR
 int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_head, const REAL *S,
                         const REAL *z, REAL *dq, REAL *dS, REAL *dz, int64_t n_heads, int64_t L,
                         REAL eps, REAL floor_) {
@@ -535,6 +551,7 @@ int linear_queries_grad(const REAL *q, const REAL *g, int64_t q_head, int64_t g_
     }
     return status;
 }
+#endif
 
 /* The key side of a backward, four keys at a time from t, given their weights w (phi(k), or
  * E): dv = dS^T w into the rows of DV_ and dk = slope(w) * (dS v + dz) into those of DK_, 0 for
@@ -561,6 +578,7 @@ static AI void keys_grad_rows(const REAL *V, int64_t t, int64_t L, const int *pa
 /* Non-causal backward, key side, from dS and dz: dv = dS^T phi(k) (n_heads, L, DV) and
  * dk = (dS v + dz) * phi'(k) (n_heads, L, DK), 0 for a key key_ok leaves out. Four keys a
  * pass through dS and dS^T. Returns 0, or -1 where memory for dS^T could not be had. */
+#ifdef FAMILY_LINEAR
 int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t k_head, int64_t v_head,
                      const REAL *dS, const REAL *dz, REAL *dk, REAL *dv, int64_t n_heads, int64_t L,
                      REAL floor_) {
@@ -588,6 +606,7 @@ int linear_keys_grad(const REAL *k, const REAL *v, const uint8_t *key_ok, int64_
     }
     return status;
 }
+#endif
 
 /* The features of one row x (DK values): phi, padded with zeros to whole lanes; all 0 where the
  * row takes no part (a fill after, as two_features). */
@@ -610,6 +629,7 @@ static AI void features_of(const REAL *restrict x, int ok, REAL *restrict f, REA
  * state, as two_steps (an odd length's last: a second position with no key and no gradient,
  * its results dropped). Work: 6 DK DV multiply-adds a position, with the forward's 2 the step's
  * 8 (its floor: 6). Returns 0, or -1 without memory for S^T, R^T and the positions' 1/den and gden. */
+#ifdef FAMILY_CAUSAL_LINEAR
 int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, const REAL *g,
                        const REAL *out, int64_t q_head, int64_t k_head, int64_t v_head, int64_t g_head,
                        const REAL *S0, const REAL *z0, REAL *dq, REAL *dk, REAL *dv, REAL *dS, REAL *dz,
@@ -691,6 +711,7 @@ int causal_linear_grad(const REAL *q, const REAL *k, const REAL *v, const uint8_
     }
     return status;
 }
+#endif
 
 /* ---- Efficient attention (Shen et al., WACV 2021): out = softmax_features(q) G with
  * G = sum_j E_j v_j^T / z, E_j = exp(k_j - c) (c: each feature's max over the kept keys,
@@ -799,6 +820,7 @@ static void queries_head(const REAL *Q, const REAL *G, REAL *O, REAL *shift, int
  * is not null the queries' row shifts (n_heads, Lq) for the backward. A head's keys and
  * queries in one pass of a thread (G still in L1; one parallel region, not two: the forward at
  * L = 4096 ~0.1 ms shorter, within this VM's noise). */
+#ifdef FAMILY_EFFICIENT
 void efficient_forward(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, int64_t q_head,
                        int64_t k_head, int64_t v_head, REAL *G, REAL *z, REAL *c, REAL *out, REAL *shift,
                        int64_t n_heads, int64_t Lq, int64_t Lk, REAL tiny, REAL floor_) {
@@ -813,6 +835,7 @@ void efficient_forward(const REAL *q, const REAL *k, const REAL *v, const uint8_
                      floor_);
     }
 }
+#endif
 
 /* Rows t + PREFETCH_AHEAD .. + 4 of X (rows of ``width`` values, L of them) into the caches: the
  * backward's rows arrive before they are read (its passes at L = 4096 ~3 % shorter; the forward's
@@ -883,6 +906,7 @@ static void keys_grad_head(const REAL *K, const REAL *V, const uint8_t *ok, cons
  * c and row shifts: per head its query side, dq (n_heads, Lq, DK) and dG (n_heads, DK, DV),
  * then its key side, dk (n_heads, Lk, DK) and dv (n_heads, Lk, DV), all written (one parallel
  * region, as the forward's). Returns 0, or -1 without memory for G^T, dS and dS^T. */
+#ifdef FAMILY_EFFICIENT
 int efficient_backward(const REAL *q, const REAL *k, const REAL *v, const uint8_t *key_ok, const REAL *g,
                        int64_t q_head, int64_t k_head, int64_t v_head, int64_t g_head, const REAL *G,
                        const REAL *z, const REAL *c, const REAL *shift, REAL *dG, REAL *dq, REAL *dk, REAL *dv,
@@ -911,6 +935,7 @@ int efficient_backward(const REAL *q, const REAL *k, const REAL *v, const uint8_
     }
     return status;
 }
+#endif
 
 /* LSH's hash of n positions of n_heads heads from their rotations x R, laid out (n_heads, R,
  * half, n) (positions in lanes: every reduction runs across rows, not along them): per round
@@ -918,6 +943,7 @@ int efficient_backward(const REAL *q, const REAL *k, const REAL *v, const uint8_
  * i.e. the first c with xR_c = max(xR) where max(xR) >= -min(xR), else half + the first c
  * with xR_c = min(xR). Written to buckets (n_heads, R, L) at positions start.. . Returns 0,
  * or -1 without memory for four rows of n. */
+#ifdef FAMILY_LSH
 int lsh_buckets(const REAL *rotated, int64_t n_heads, int64_t n, int64_t R, int64_t half, int64_t *buckets,
                 int64_t L, int64_t start) {
     REAL *top = malloc(sizeof(REAL) * n), *low = malloc(sizeof(REAL) * n);
@@ -946,10 +972,12 @@ int lsh_buckets(const REAL *rotated, int64_t n_heads, int64_t n, int64_t R, int6
     free(second_half);
     return status;
 }
+#endif
 
 /* Each row's positions sorted by bucket, stably (by position within a bucket): a counting
  * sort of rows of L buckets in [0, n_buckets) into order (rows, L). Returns 0, or -1 without
  * memory or for a bucket out of range (the caller sorts instead). */
+#ifdef FAMILY_LSH
 int lsh_order(const int64_t *buckets, int64_t rows, int64_t L, int64_t n_buckets, int64_t *order) {
     int64_t *next = malloc(sizeof(int64_t) * (n_buckets + 1));
     int status = next ? 0 : -1;
@@ -965,6 +993,7 @@ int lsh_order(const int64_t *buckets, int64_t rows, int64_t L, int64_t n_buckets
     free(next);
     return status;
 }
+#endif
 
 /* ---- Few keys (linformer's projected keys, nystrom's landmarks): out = softmax(q K^T scale) V over
  * every one of a head's n keys, n a few hundred, for many queries. Four queries a pass: their
@@ -1102,6 +1131,7 @@ static void few_keys_grad_head(const REAL *Q, int64_t q_row, const REAL *K, cons
 /* Forward, heads first .. first + count - 1 (H of them a batch entry): q (layout ql), k (n, DK) and
  * v (n, DV) contiguous, a head after another; out (layout ol) and, where not null, lse (Lq a
  * head, contiguous) written. Returns 0, or -1 without memory for K^T and the scores. */
+#ifdef FAMILY_FEW_KEYS
 int few_keys_forward(const REAL *q, const int64_t *ql, const REAL *k, const REAL *v, REAL *out, const int64_t *ol,
                      REAL *lse, int64_t first, int64_t count, int64_t H, int64_t Lq, int64_t n, REAL scale,
                      REAL floor_) {
@@ -1120,9 +1150,11 @@ int few_keys_forward(const REAL *q, const int64_t *ql, const REAL *k, const REAL
     }
     return status;
 }
+#endif
 
 /* Backward of few_keys_forward from g (layout gl), its out (ol) and lse: dq (layout dql), dk and dv
  * (as k and v) written. Returns 0, or -1 without memory for K^T, V^T and the rows' buffers. */
+#ifdef FAMILY_FEW_KEYS
 int few_keys_backward(const REAL *q, const int64_t *ql, const REAL *k, const REAL *v, const REAL *g, const int64_t *gl,
                       const REAL *out, const int64_t *ol, const REAL *lse, REAL *dq, const int64_t *dql, REAL *dk,
                       REAL *dv, int64_t first, int64_t count, int64_t H, int64_t Lq, int64_t n, REAL scale,
@@ -1146,6 +1178,7 @@ int few_keys_backward(const REAL *q, const int64_t *ql, const REAL *k, const REA
     }
     return status;
 }
+#endif
 
 /* ---- Few queries (nystrom's landmark queries, m a few hundred) over every one of a head's Lk
  * keys that key_ok keeps, Lk in the thousands: out = softmax(Q K^T scale) V, each row's
@@ -1258,6 +1291,7 @@ static size_t few_queries_room(int64_t m) {
 /* Forward, heads first .. first + count - 1 (H of them a batch entry): q (layout ql), k (kl), v
  * (vl), key_ok (Lk bytes a head, as the other kernels'; null: every key); out (m, DV) and, where not null, lse
  * (m) a head, contiguous, written. Returns 0, or -1 without memory for a head's buffer. */
+#ifdef FAMILY_FEW_QUERIES
 int few_queries_forward(const REAL *q, const int64_t *ql, const REAL *k, const int64_t *kl, const REAL *v,
                         const int64_t *vl, const uint8_t *key_ok, REAL *out, REAL *lse, int64_t first,
                         int64_t count, int64_t H, int64_t m, int64_t Lk, REAL scale, REAL floor_) {
@@ -1275,6 +1309,7 @@ int few_queries_forward(const REAL *q, const int64_t *ql, const REAL *k, const i
     }
     return status;
 }
+#endif
 
 /* One head's gradients from g (the output's, rows g_row apart), the output O (m, DV, contiguous)
  * and lse: dQ (rows dq_row apart), dK and dV (rows dk_row and dv_row apart; 0 for a padded key),
@@ -1340,6 +1375,7 @@ static size_t few_queries_grad_room(int64_t m) {
 
 /* Backward of few_queries_forward from g (layout gl), its out and lse: dq (layout dql), dk (dkl)
  * and dv (dvl) written. Returns 0, or -1 without memory for a head's buffer. */
+#ifdef FAMILY_FEW_QUERIES
 int few_queries_backward(const REAL *q, const int64_t *ql, const REAL *k, const int64_t *kl, const REAL *v,
                          const int64_t *vl, const uint8_t *key_ok, const REAL *g, const int64_t *gl, const REAL *out,
                          const REAL *lse, REAL *dq, const int64_t *dql, REAL *dk, const int64_t *dkl, REAL *dv,
@@ -1361,6 +1397,7 @@ int few_queries_backward(const REAL *q, const int64_t *ql, const REAL *k, const 
     }
     return status;
 }
+#endif
 
 /* ---- Reformer's LSH attention (Kitaev et al., ICLR 2020), forward without gradients. Per
  * (batch, head) and hash round r: the queries sorted by (bucket, position) in chunks of m, each
@@ -1556,6 +1593,7 @@ static void window_weights(Window *b, int64_t W, int64_t MP, int64_t nq, int64_t
  * (shared QK: 1 / its norm, so that the keys need not be written normalised). flags: 1 causal,
  * 2 shared QK (self2 off the query's own key), 4 across buckets. Writes out (n_heads, L, DV).
  * Returns 0, or -1 without memory for the window's buffers. */
+#ifdef FAMILY_LSH
 int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int64_t k_head, int64_t v_head,
                 const int64_t *q_order, const int64_t *k_order, const int64_t *q_bucket, const int64_t *k_bucket,
                 const int32_t *q_code, const int32_t *k_code, const uint8_t *key_ok, const REAL *k_scale,
@@ -1637,3 +1675,4 @@ int lsh_forward(const REAL *q, const REAL *k, const REAL *v, int64_t q_head, int
     free(mx);
     return status;
 }
+#endif

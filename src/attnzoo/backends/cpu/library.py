@@ -75,7 +75,7 @@ if custom_op is not None:
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
         """φ(q) (Σ φ(k) vᵀ) / (φ(q)·Σ φ(k) + eps): q, k (B, H, L·, D), v (B, H, Lk, Dv) ->
         (out (B, H, Lq, Dv), and for the backward S (B·H, D, Dv), z (B·H, D))."""
-        lib = native._kernels(q, k, v)
+        lib = native._kernels("linear", q, k, v)
         if lib is None:  # (the backward then takes the portable body's: S and z unused)
             return _portable_linear(q, k, v, key_mask, eps)[0], *_linear_state(q, v)
         return native._linear_forward(lib, q, k, v, key_mask, eps)
@@ -87,7 +87,7 @@ if custom_op is not None:
     @custom_op("attnzoo::linear_elu_backward", mutates_args=())
     def linear_elu_backward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, eps: float,
                             S: Tensor, z: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        lib = native._kernels(q, k, v)
+        lib = native._kernels("linear", q, k, v)
         if lib is None:
             return _portable_grads(lambda q, k, v: _portable_linear(q, k, v, key_mask, eps)[:1], [q, k, v],
                                    [grad])
@@ -114,7 +114,7 @@ if custom_op is not None:
                           eps: float) -> tuple[Tensor, Tensor, Tensor]:
         """(out (B, H, L, Dv), S after (B, H, D, Dv), z after (B, H, D)), query i over keys j <= i
         and the state before, queries and keys aligned."""
-        lib = native._kernels(q, k, v, S, z)
+        lib = native._kernels("causal_linear", q, k, v, S, z)
         if lib is None:
             out, (S, z) = _portable_linear(q, k, v, key_mask, eps, state=(S, z))
             return out, S, z
@@ -128,7 +128,7 @@ if custom_op is not None:
     def causal_linear_elu_backward(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor,
                                    key_mask: Tensor | None, eps: float, out: Tensor, g_out: Tensor,
                                    g_S: Tensor, g_z: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        lib = native._kernels(q, k, v, S, z)
+        lib = native._kernels("causal_linear", q, k, v, S, z)
         if lib is None:
             def fn(q, k, v, S, z):
                 out, (S, z) = _portable_linear(q, k, v, key_mask, eps, state=(S, z))
@@ -160,7 +160,7 @@ if custom_op is not None:
                   key_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """σ_row(q) (σ_col(k)ᵀ v): q, k (B, H, L·, D), v (B, H, Lk, Dv) -> (out (B, H, Lq, Dv), and
         for the backward G (B·H, D, Dv), z, c (B·H, D), the queries' row shifts (B·H, Lq))."""
-        lib = native._kernels(q, k, v)
+        lib = native._kernels("efficient", q, k, v)
         if lib is None:  # (the backward then takes the portable body's: the rest unused)
             return _portable_efficient(q, k, v, key_mask), *_efficient_state(q, v)
         return native._efficient_forward(lib, q, k, v, key_mask, keep_shift=True)
@@ -172,7 +172,7 @@ if custom_op is not None:
     @custom_op("attnzoo::efficient_backward", mutates_args=())
     def efficient_backward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, G: Tensor, z: Tensor,
                            c: Tensor, shift: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        lib = native._kernels(q, k, v)
+        lib = native._kernels("efficient", q, k, v)
         if lib is None:
             return _portable_grads(lambda q, k, v: (_portable_efficient(q, k, v, key_mask),), [q, k, v],
                                    [grad])

@@ -8,18 +8,19 @@ and two small products); LSH attention's rounds without gradients (each chunk's 
 keys in cache, its masks made as it goes); and attention of many queries over few keys and of
 few queries over many keys, forward and backward.
 
-Each (dtype, D, Dv) gets its own build (the sizes compiled in, so the compiler vectorises the
-loops over them), cached in ``$ATTNZOO_CACHE`` (default ``~/.cache/attnzoo``) under a name
-that hashes the source, the flags and the CPU, so a changed source or another machine builds
-afresh. Where there is no compiler, the build fails, or ``ATTNZOO_NATIVE=0``, the entry points
-(:func:`causal_linear`, :func:`linear`, :func:`efficient`, :func:`few_keys`,
-:func:`few_queries`, :func:`lsh`, :func:`lsh_order`, and :func:`lsh_kernels` for the hash)
-return None and the callers return NotImplemented: the portable code runs, with the same
-results to rounding. The batch entries and heads are split among torch's intra-op threads:
-where torch runs on OpenMP, the kernels are built with it and split them in C, on the threads
-torch's own ops use; otherwise, and for LSH's, a Python pool splits them
-(:func:`_over_heads`), ctypes letting go of the GIL while C runs. docs/internals.md gives the
-measurements.
+Each family of kernels (causal linear, linear, efficient, few keys, few queries, LSH) gets a
+build of its own for each (dtype, D, Dv): the sizes compiled in, so the compiler vectorises the
+loops over them, and one family, so a first call compiles only the kernels it runs. Builds are
+cached in ``$ATTNZOO_CACHE`` (default ``~/.cache/attnzoo``) under a name that hashes the source,
+the flags and the CPU, so a changed source or another machine builds afresh. Where there is no
+compiler, the build fails, or ``ATTNZOO_NATIVE=0``, the entry points (:func:`causal_linear`,
+:func:`linear`, :func:`efficient`, :func:`few_keys`, :func:`few_queries`, :func:`lsh`,
+:func:`lsh_order`, and :func:`lsh_kernels` for the hash) return None and the callers return
+NotImplemented: the portable code runs, with the same results to rounding. The batch entries and
+heads are split among torch's intra-op threads: where torch runs on OpenMP, the kernels are
+built with it and split them in C, on the threads torch's own ops use; otherwise, and for LSH's,
+a Python pool splits them (:func:`_over_heads`), ctypes letting go of the GIL while C runs.
+docs/internals.md gives the measurements.
 """
 
 from __future__ import annotations
@@ -81,41 +82,54 @@ def _flag_sets() -> list[list[str]]:
     return [[*_flags(), "-fopenmp"], _flags()] if torch._C.has_openmp else [_flags()]
 
 
+def _signatures(real: str) -> dict[str, dict[str, list]]:
+    """Each family's entry points (kernels.c builds one family at a time) and their argument
+    types; every build also has ``parallel_build`` and ``serial_heads``."""
+    ptr, i64, scalar = ctypes.c_void_p, ctypes.c_int64, _SCALARS[real]
+    return {
+        "causal_linear": {
+            "causal_linear": [ptr] * 4 + [i64] * 3 + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
+            "causal_linear_grad": [ptr] * 6 + [i64] * 4 + [ptr] * 7 + [i64] * 2 + [scalar] * 2},
+        "linear": {
+            "linear_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 2 + [i64] * 2 + [scalar],
+            "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
+            "linear_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 2 + [scalar] * 2,
+            "linear_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 4 + [i64] * 2 + [scalar]},
+        "efficient": {
+            "efficient_forward": [ptr] * 4 + [i64] * 3 + [ptr] * 5 + [i64] * 3 + [scalar] * 2,
+            "efficient_backward": [ptr] * 5 + [i64] * 4 + [ptr] * 8 + [i64] * 3 + [scalar] * 2},
+        "few_keys": {
+            "few_keys_forward": [ptr] * 7 + [i64] * 5 + [scalar] * 2,
+            "few_keys_backward": [ptr] * 13 + [i64] * 5 + [scalar] * 2},
+        "few_queries": {
+            "few_queries_forward": [ptr] * 9 + [i64] * 5 + [scalar] * 2,
+            "few_queries_backward": [ptr] * 17 + [i64] * 5 + [scalar] * 2},
+        "lsh": {
+            "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int] + [scalar] * 3,
+            "lsh_buckets": [ptr] + [i64] * 4 + [ptr] + [i64] * 2,
+            "lsh_order": [ptr] + [i64] * 3 + [ptr]},
+    }
+
+
 @cache
-def _library(cc: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
-    """The kernels built for (real, dk, dv), from the cache or compiled now; None where it fails."""
-    defines = [f"-DREAL={real}", f"-DDK={dk}", f"-DDV={dv}"]
+def _library(cc: str, family: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
+    """``family``'s kernels built for (real, dk, dv), from the cache or compiled now; None where
+    it fails."""
+    defines = [f"-DFAMILY_{family.upper()}", f"-DREAL={real}", f"-DDK={dk}", f"-DDV={dv}"]
     for flags in _flag_sets():
-        target, failure = _built(cc, flags, defines, f"kernels_{real}_{dk}x{dv}")
+        target, failure = _built(cc, flags, defines, f"kernels_{family}_{real}_{dk}x{dv}")
         if failure is None:
             break
     else:  # a compiler that fails is worth a word: the same results come, several times slower
-        warnings.warn(f"attnzoo: the native kernels ({real}, D={dk}, Dv={dv}) did not build with {cc} "
-                      f"({failure}); the eager engines run instead, slower. ATTNZOO_NATIVE=0 turns "
-                      f"the kernels off.", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"attnzoo: the native kernels ({family}, {real}, D={dk}, Dv={dv}) did not build "
+                      f"with {cc} ({failure}); the eager engines run instead, slower. ATTNZOO_NATIVE=0 "
+                      f"turns the kernels off.", RuntimeWarning, stacklevel=2)
         return None
     try:
         lib = ctypes.CDLL(str(target))
     except OSError:
         return None
-    ptr, i64, scalar = ctypes.c_void_p, ctypes.c_int64, _SCALARS[real]
-    signatures = {"causal_linear": [ptr] * 4 + [i64] * 3 + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
-                  "causal_linear_grad": [ptr] * 6 + [i64] * 4 + [ptr] * 7 + [i64] * 2 + [scalar] * 2,
-                  "linear_keys": [ptr] * 3 + [i64] * 2 + [ptr] * 2 + [i64] * 2 + [scalar],
-                  "linear_queries": [ptr, i64] + [ptr] * 3 + [i64] * 2 + [scalar] * 2,
-                  "linear_queries_grad": [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 2 + [scalar] * 2,
-                  "linear_keys_grad": [ptr] * 3 + [i64] * 2 + [ptr] * 4 + [i64] * 2 + [scalar],
-                  "efficient_forward": [ptr] * 4 + [i64] * 3 + [ptr] * 5 + [i64] * 3 + [scalar] * 2,
-                  "efficient_backward": [ptr] * 5 + [i64] * 4 + [ptr] * 8 + [i64] * 3 + [scalar] * 2,
-                  "few_keys_forward": [ptr] * 7 + [i64] * 5 + [scalar] * 2,
-                  "few_keys_backward": [ptr] * 13 + [i64] * 5 + [scalar] * 2,
-                  "few_queries_forward": [ptr] * 9 + [i64] * 5 + [scalar] * 2,
-                  "few_queries_backward": [ptr] * 17 + [i64] * 5 + [scalar] * 2,
-                  "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int]
-                  + [scalar] * 3,
-                  "lsh_buckets": [ptr] + [i64] * 4 + [ptr] + [i64] * 2,
-                  "lsh_order": [ptr] + [i64] * 3 + [ptr],
-                  "parallel_build": [], "serial_heads": []}
+    signatures = {**_signatures(real)[family], "parallel_build": [], "serial_heads": []}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         returns_int = name.endswith("_grad") or name.startswith(("lsh", "parallel", "few"))  # -1: no memory
@@ -208,15 +222,15 @@ def _heads(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def _kernels(*ts: torch.Tensor, sizes: tuple[int, int] | None = None) -> ctypes.CDLL | None:
-    """The kernels for ``ts`` = (q, k, v, ...) (B, H, ·, D) and (B, H, ·, Dv) (or the build for
-    ``sizes`` (D, Dv)), or None where they cannot run: turned off, not on the CPU, not float32
-    or float64, or no compiler builds them."""
+def _kernels(family: str, *ts: torch.Tensor, sizes: tuple[int, int] | None = None) -> ctypes.CDLL | None:
+    """``family``'s kernels (a key of :func:`_signatures`) for ``ts`` = (q, k, v, ...) (B, H, ·, D)
+    and (B, H, ·, Dv) (or the build for ``sizes`` (D, Dv)), or None where they cannot run: turned
+    off, not on the CPU, not float32 or float64, or no compiler builds them."""
     dtype = ts[0].dtype
     if not available() or ts[0].device.type != "cpu" or dtype not in _REALS or any(
             t.dtype != dtype for t in ts):
         return None
-    return _library(_compiler(), _REALS[dtype], *(sizes or (ts[0].shape[-1], ts[2].shape[-1])))
+    return _library(_compiler(), family, _REALS[dtype], *(sizes or (ts[0].shape[-1], ts[2].shape[-1])))
 
 
 def _key_ok(key_mask, B, H, L):
@@ -283,7 +297,7 @@ def causal_linear(q, k, v, S, z, key_mask, eps):
     Queries and keys aligned (the caller handles keys before the first query). O(L·D·Dv) time,
     O(D·Dv) memory beside the output; under autograd the backward is native too
     (:class:`_CausalLinear`). None where the kernels cannot run (:func:`_kernels`)."""
-    lib = _kernels(q, k, v, S, z)
+    lib = _kernels("causal_linear", q, k, v, S, z)
     if lib is None:
         return None
     if needs_grad(q, k, v, S, z):
@@ -344,7 +358,7 @@ def linear(q, k, v, key_mask, eps):
     -> (B, H, Lq, Dv); ``key_mask`` (B, Lk) bool or None. O((Lq + Lk)·D·Dv) time, O(D·Dv)
     memory beside the output; under autograd the backward is native too (:class:`_Linear`).
     None where the kernels cannot run (:func:`_kernels`)."""
-    lib = _kernels(q, k, v)
+    lib = _kernels("linear", q, k, v)
     return None if lib is None else _with_autograd(_Linear, _linear_forward, lib, q, k, v, key_mask, eps)
 
 
@@ -410,7 +424,7 @@ def efficient(q, k, v, key_mask):
     (B, H, Lq, Dv); ``key_mask`` (B, Lk) bool or None. O((Lq + Lk)·D·Dv) time, O(D·Dv) memory
     beside the output; under autograd the backward is native too (:class:`_EfficientNative`).
     None where the kernels cannot run (:func:`_kernels`)."""
-    lib = _kernels(q, k, v)
+    lib = _kernels("efficient", q, k, v)
     if lib is None:
         return None
     return _with_autograd(_EfficientNative, _efficient_forward, lib, q, k, v, key_mask)
@@ -483,7 +497,7 @@ def few_keys(q, k, v, scale):
     output (and each row's log-sum-exp, (B, H, Lq), kept for the backward under autograd, which
     is native too: :class:`_FewKeys`). None where the kernels cannot run (:func:`_kernels`) or
     there is no key."""
-    lib = _kernels(q, k, v)
+    lib = _kernels("few_keys", q, k, v)
     if lib is None or k.shape[2] == 0:
         return None
     q, k, v = _rows(q), k.contiguous(), v.contiguous()  # (once: the backward reads these too)
@@ -551,7 +565,7 @@ def few_queries(q, k, v, key_mask, scale, keep_lse):
     beside the output. No autograd: the caller's function takes the gradients
     (:class:`~attnzoo.backends.cpu.few.FewQueries`). None where the kernels cannot run
     (:func:`_kernels`)."""
-    lib = _kernels(q, k, v)
+    lib = _kernels("few_queries", q, k, v)
     if lib is None:
         return None
     (B, H, m, _), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
@@ -572,7 +586,7 @@ def few_queries_grad(q, k, v, key_mask, scale, g, out, lse):
     its output and its log-sum-exp: dq laid out as q, dk and dv as k and v (dense, in the same
     order of dimensions; 0 for a padded key). O(m·Lk·(D + Dv)) time, O(m·(D + Dv)) memory a
     head beside them. None where the kernels cannot run (:func:`_kernels`)."""
-    lib = _kernels(q, k, v)
+    lib = _kernels("few_queries", q, k, v)
     if lib is None:
         return None
     (B, H, m, _), Lk = q.shape, k.shape[2]
@@ -599,7 +613,7 @@ def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, sel
     autograd, or where the kernels cannot run (:func:`_kernels`)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return None
-    lib = _kernels(q, k, v)
+    lib = _kernels("lsh", q, k, v)
     if lib is None:
         return None
     (B, H, L, _), Dv, R = q.shape, v.shape[-1], hashed[2].shape[2]
@@ -622,7 +636,7 @@ def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, sel
 def lsh_kernels(x: torch.Tensor) -> ctypes.CDLL | None:
     """The build that hashes x (B, H, L, D) (:func:`lsh_buckets`; it uses no D or Dv: one build
     serves every shape), or None where the kernels cannot run."""
-    return _kernels(x, sizes=(1, 1))
+    return _kernels("lsh", x, sizes=(1, 1))
 
 
 def lsh_buckets(lib, rotated, buckets, start) -> None:
