@@ -303,7 +303,7 @@ _ONE_LINE_AT_A_TIME = threading.Lock()
 
 
 def _say(line: str) -> None:
-    """A line of the grid's progress after the time, written whole from any run's thread (two
+    """A progress line after the time, written whole even from several threads at once (two
     prints at once ran together on one line)."""
     with _ONE_LINE_AT_A_TIME:
         sys.stdout.write(f"{time.strftime('%H:%M')}  {line}\n")

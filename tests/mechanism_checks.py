@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 import attnzoo
 
 DEVICE = torch.device(os.environ.get("ATTNZOO_TEST_DEVICE", "cpu"))
-# (D, Dv) for the C kernels' float64 property tests. Each pair is a build of its own (seconds on
-# a cold cache), so the tests draw from five pairs, not every pair: D one, short of a vector
-# (AVX-512: 8 doubles), one vector and past it; Dv one, short and one vector; a short D beside a
-# full Dv and the other way round. Most are built for other tests anyway.
+# (D, Dv) for the C kernels' float64 property tests. Each pair is a build of its own for each
+# family of kernels (seconds on a cold cache), so the tests draw from five pairs, not every
+# pair: D one, short of a vector (AVX-512: 8 doubles), one vector and past it; Dv one, short
+# and one vector; a short D beside a full Dv and the other way round. Most are built for other
+# tests anyway.
 NATIVE_WIDTHS = st.sampled_from([(1, 1), (3, 1), (3, 8), (8, 5), (17, 8)])
 
 

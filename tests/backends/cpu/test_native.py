@@ -2,6 +2,7 @@
 attention and LSH (its rounds, hash and sort): against the eager engines and the dense
 reference, their use by the mechanisms, and the fall-back where they cannot be built."""
 
+import re
 import warnings
 
 import pytest
@@ -85,6 +86,7 @@ def test_native_kernel_runs_and_carries_the_state(monkeypatch):
 @pytest.mark.parametrize("how", ["off", "no compiler", "build fails"])
 def test_without_the_kernel_the_eager_engine_answers(monkeypatch, tmp_path, how):
     monkeypatch.setenv("ATTNZOO_CACHE", str(tmp_path))
+    _native._library.cache_clear()  # (a failed build is remembered: this test's warnings come once)
     if how == "off":
         monkeypatch.setenv("ATTNZOO_NATIVE", "0")
     else:
@@ -125,10 +127,19 @@ def test_a_first_call_builds_its_own_family_of_kernels_only(monkeypatch, tmp_pat
     q, k, v, _ = random_inputs(B=1, H=2, Lq=9, Lk=9, D=7, Dv=2, seed=4)
     assert _native.linear(q, k, v, None, 1e-6) is not None
     assert [p.name.rsplit("_", 1)[0] for p in tmp_path.iterdir()] == ["kernels_linear_double_7x2"]
-    lib = _native._kernels("linear", q, k, v)
-    assert hasattr(lib, "linear_keys") and not hasattr(lib, "causal_linear")
-    others = ("efficient", "few_keys", "few_queries", "lsh")
-    assert not any(hasattr(lib, f"{name}_forward") for name in others)
+    lib, families = _native._kernels("linear", q, k, v), _native._signatures("double")
+    assert all(hasattr(lib, name) for name in families.pop("linear"))
+    assert not any(hasattr(lib, name) for others in families.values() for name in others)
+
+
+def test_each_entry_point_returns_what_its_c_declares():
+    """ctypes is told each entry point's return type, and each family's entry points are all
+    the source exports: an int status (−1: no memory) read as nothing would go unchecked."""
+    exported = re.findall(r"^(void|int) (\w+)\(", _native.SOURCE.read_text(), re.M)  # (kind, name)
+    declared = {name: kind for kind, name in exported}
+    listed = [name for family in _native._signatures("float").values() for name in family]
+    assert sorted([*listed, "parallel_build", "serial_heads"]) == sorted(declared)
+    assert {name for name, kind in declared.items() if kind == "void"} == _native._RETURN_NOTHING
 
 
 def test_flops_count_the_recurrence_where_it_runs(monkeypatch):
@@ -161,8 +172,8 @@ def _trained(mechanism, q, k, v, km, g):
 def test_heads_split_by_openmp_or_by_python_give_the_same(monkeypatch, two_threads, mechanism):
     """Built with OpenMP (where torch runs on it), the kernels split the heads among its threads
     themselves; built without, Python's pool does. Outputs and gradients agree (B·H = 6 heads
-    over 2 threads), and a causal_linear call too. (The two builds' names hash their flags: both
-    live in the one cache, each built once.)"""
+    over 2 threads), and a causal_linear call too. (Each build's name hashes its flags: those
+    with and without OpenMP live in the one cache, each built once.)"""
     q, k, v, km = random_inputs(B=2, H=3, Lq=13, Lk=11, D=8, Dv=5, masked=True, seed=5)
     g = torch.randn(2, 3, 13, 5, dtype=q.dtype)
     S, z = torch.zeros(2, 3, 8, 5, dtype=q.dtype), torch.zeros(2, 3, 8, dtype=q.dtype)
@@ -171,7 +182,7 @@ def test_heads_split_by_openmp_or_by_python_give_the_same(monkeypatch, two_threa
         flags = [*_native._flags(), "-fopenmp"] if openmp else _native._flags()
         monkeypatch.setattr(_native, "_flag_sets", lambda flags=flags: [flags])
         _native._library.cache_clear()
-        assert _native._kernels("linear", q, k, v).splits_heads == openmp
+        assert _native._kernels(mechanism, q, k, v).splits_heads == openmp
         got[openmp] = (*_trained(mechanism, q, k, v, km, g),
                        _native.causal_linear(q[:, :, :11], k, v, S, z, None, 1e-6)[0])
     _native._library.cache_clear()

@@ -28,11 +28,13 @@
 #endif
 
 /* A build holds one family's entry points, FAMILY_CAUSAL_LINEAR, FAMILY_LINEAR, FAMILY_EFFICIENT,
- * FAMILY_FEW_KEYS, FAMILY_FEW_QUERIES or FAMILY_LSH (each entry point below is guarded by its
- * family's name); the compiler drops the static helpers the build does not call, so a first
- * call waits for its own family's compile only, a fraction of the whole file's. */
+ * FAMILY_FEW_KEYS, FAMILY_FEW_QUERIES, FAMILY_LSH or FAMILY_LSH_HASH (LSH's hash and sort, which
+ * use no DK or DV) (each entry point below is guarded by its family's name); the compiler drops
+ * the static helpers the build does not call, so a first call waits for its own family's
+ * compile only, a fraction of the whole file's. */
 #if !(defined(FAMILY_CAUSAL_LINEAR) || defined(FAMILY_LINEAR) || defined(FAMILY_EFFICIENT) \
-      || defined(FAMILY_FEW_KEYS) || defined(FAMILY_FEW_QUERIES) || defined(FAMILY_LSH))
+      || defined(FAMILY_FEW_KEYS) || defined(FAMILY_FEW_QUERIES) || defined(FAMILY_LSH) \
+      || defined(FAMILY_LSH_HASH))
 #error "compile with -DFAMILY_<name>: one of the families above"
 #endif
 
@@ -943,7 +945,7 @@ int efficient_backward(const REAL *q, const REAL *k, const REAL *v, const uint8_
  * i.e. the first c with xR_c = max(xR) where max(xR) >= -min(xR), else half + the first c
  * with xR_c = min(xR). Written to buckets (n_heads, R, L) at positions start.. . Returns 0,
  * or -1 without memory for four rows of n. */
-#ifdef FAMILY_LSH
+#ifdef FAMILY_LSH_HASH
 int lsh_buckets(const REAL *rotated, int64_t n_heads, int64_t n, int64_t R, int64_t half, int64_t *buckets,
                 int64_t L, int64_t start) {
     REAL *top = malloc(sizeof(REAL) * n), *low = malloc(sizeof(REAL) * n);
@@ -977,7 +979,7 @@ int lsh_buckets(const REAL *rotated, int64_t n_heads, int64_t n, int64_t R, int6
 /* Each row's positions sorted by bucket, stably (by position within a bucket): a counting
  * sort of rows of L buckets in [0, n_buckets) into order (rows, L). Returns 0, or -1 without
  * memory or for a bucket out of range (the caller sorts instead). */
-#ifdef FAMILY_LSH
+#ifdef FAMILY_LSH_HASH
 int lsh_order(const int64_t *buckets, int64_t rows, int64_t L, int64_t n_buckets, int64_t *order) {
     int64_t *next = malloc(sizeof(int64_t) * (n_buckets + 1));
     int status = next ? 0 : -1;

@@ -84,7 +84,9 @@ def _flag_sets() -> list[list[str]]:
 
 def _signatures(real: str) -> dict[str, dict[str, list]]:
     """Each family's entry points (kernels.c builds one family at a time) and their argument
-    types; every build also has ``parallel_build`` and ``serial_heads``."""
+    types; every build also has ``parallel_build`` and ``serial_heads``. Those not in
+    :data:`_RETURN_NOTHING` return an int: a status (−1: no memory for their buffers) or, for
+    ``parallel_build``, a flag."""
     ptr, i64, scalar = ctypes.c_void_p, ctypes.c_int64, _SCALARS[real]
     return {
         "causal_linear": {
@@ -105,16 +107,21 @@ def _signatures(real: str) -> dict[str, dict[str, list]]:
             "few_queries_forward": [ptr] * 9 + [i64] * 5 + [scalar] * 2,
             "few_queries_backward": [ptr] * 17 + [i64] * 5 + [scalar] * 2},
         "lsh": {
-            "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int] + [scalar] * 3,
+            "lsh_forward": [ptr] * 3 + [i64] * 3 + [ptr] * 9 + [i64] * 4 + [ctypes.c_int] + [scalar] * 3},
+        "lsh_hash": {  # (no D or Dv: built once, at (1, 1))
             "lsh_buckets": [ptr] + [i64] * 4 + [ptr] + [i64] * 2,
             "lsh_order": [ptr] + [i64] * 3 + [ptr]},
     }
+
+
+_RETURN_NOTHING = {"causal_linear", "linear_keys", "linear_queries", "efficient_forward", "serial_heads"}
 
 
 @cache
 def _library(cc: str, family: str, real: str, dk: int, dv: int) -> ctypes.CDLL | None:
     """``family``'s kernels built for (real, dk, dv), from the cache or compiled now; None where
     it fails."""
+    signatures = {**_signatures(real)[family], "parallel_build": [], "serial_heads": []}
     defines = [f"-DFAMILY_{family.upper()}", f"-DREAL={real}", f"-DDK={dk}", f"-DDV={dv}"]
     for flags in _flag_sets():
         target, failure = _built(cc, flags, defines, f"kernels_{family}_{real}_{dk}x{dv}")
@@ -129,11 +136,9 @@ def _library(cc: str, family: str, real: str, dk: int, dv: int) -> ctypes.CDLL |
         lib = ctypes.CDLL(str(target))
     except OSError:
         return None
-    signatures = {**_signatures(real)[family], "parallel_build": [], "serial_heads": []}
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        returns_int = name.endswith("_grad") or name.startswith(("lsh", "parallel", "few"))  # -1: no memory
-        fn.argtypes, fn.restype = argtypes, (ctypes.c_int if returns_int else None)
+        fn.argtypes, fn.restype = argtypes, (None if name in _RETURN_NOTHING else ctypes.c_int)
     lib.splits_heads = bool(lib.parallel_build())
     _register_fork_hook()
     return lib
@@ -636,7 +641,7 @@ def lsh(q, k, v, hashed, codes, key_mask, causal, shared, across, m, scale2, sel
 def lsh_kernels(x: torch.Tensor) -> ctypes.CDLL | None:
     """The build that hashes x (B, H, L, D) (:func:`lsh_buckets`; it uses no D or Dv: one build
     serves every shape), or None where the kernels cannot run."""
-    return _kernels("lsh", x, sizes=(1, 1))
+    return _kernels("lsh_hash", x, sizes=(1, 1))
 
 
 def lsh_buckets(lib, rotated, buckets, start) -> None:
