@@ -264,9 +264,7 @@ def swap(runs: Path, run: Run) -> Path:
         return path
     torch.set_num_threads(1)
     trained = metrics(runs, run)
-    # (a record names its data relative to the folder its run was started from: the repository's)
-    data_path = Path(trained["data"]) if Path(trained["data"]).is_absolute() else ROOT / trained["data"]
-    data = load_forecast_data(data_path, target=trained["target"], features=trained["features"],
+    data = load_forecast_data(_data_path(trained), target=trained["target"], features=trained["features"],
                               seq_len=run.seq_len, label_len=run.label_len, pred_len=run.pred_len)
     test = DataLoader(data.test, batch_size=BATCH)
     weights = torch.load(runs / run.name / "best.pt", weights_only=True)
@@ -296,6 +294,61 @@ def swap(runs: Path, run: Run) -> Path:
     tmp.write_text(json.dumps(found, indent=1))
     tmp.replace(path)
     return path
+
+
+def _data_path(record: dict) -> Path:
+    """The data file of a run's record (which names it relative to the folder its run was started
+    from: the repository's)."""
+    return Path(record["data"]) if Path(record["data"]).is_absolute() else ROOT / record["data"]
+
+
+def last_value(found: dict[tuple, list[tuple[Run, dict]]]) -> dict[int, dict]:
+    """{horizon: test MSE and MAE} of the forecast with no model, each window's last input value
+    repeated (:class:`attnzoo.models.LastValue`), on the protocol's test windows and in the same
+    scaled space as the runs' scores; {} where no finished run names a data file that is here."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from attnzoo.data import load_forecast_data
+    from attnzoo.models import LastValue, evaluate
+
+    records = [record for done in found.values() for _, record in done
+               if "data" in record and _data_path(record).exists()]
+    if not records:
+        return {}
+    first, scores = records[0], {}
+    for h in HORIZONS:
+        data = load_forecast_data(_data_path(first), target=first["target"], features=first["features"],
+                                  seq_len=SEQ_LEN, label_len=LABEL_LEN[h], pred_len=h)
+        scores[h] = evaluate(LastValue(data.test.target_cols, h), DataLoader(data.test, batch_size=BATCH),
+                             torch.device("cpu"))
+    return scores
+
+
+def last_value_verdict(seed0: dict[tuple, dict], naive: dict[int, dict]) -> str:
+    """How many trained cells (``seed0``: :func:`seed_zero`, any table) beat the forecast with no
+    model (``naive``: :func:`last_value`) at each horizon."""
+    if not naive:
+        return ""
+    parts = []
+    for h in HORIZONS:
+        at_h = [r for r in seed0.values() if r["pred_len"] == h]
+        beat = [r for r in at_h if r["mse"] < naive[h]["mse"]]
+        best = min(at_h, key=lambda r: r["mse"], default=None)
+        parts.append(f"at horizon {h}, {len(beat)} of {_count(len(at_h), 'trained cell')} below its "
+                     f"{naive[h]['mse']:.3f}" + (f" (the best: {best['mse']:.3f}, {best['mechanism']}"
+                                                 f"{' with RevIN' if best['revin'] else ''}, "
+                                                 f"{best['seq_len']}-step input)" if best else ""))
+    published = {h: min(S4[h], *(marks[h][0] for marks in PAPER.values())) for h in HORIZONS}
+    beaten = [h for h in HORIZONS if naive[h]["mse"] < published[h]]
+    against = ("better than the paper's rows and S4's at every horizon: univariate OT moves slowly, and "
+               "MSE rewards staying near its last value" if len(beaten) == len(HORIZONS) else
+               f"better than every published row of the table at {_count(len(beaten), 'horizon')} of "
+               f"{len(HORIZONS)}")
+    return ("A forecast with no model at all, each window's last input value repeated "
+            "(`attnzoo.models.LastValue`, scored on the same test windows; the metrics.json of a run "
+            f"has it as `test_last_value`), scores {against}. Read every number on this page against "
+            "it. On seed 0, in any table: " + "; ".join(parts) + ".")
 
 
 _ONE_SWAP_AT_A_TIME = threading.Lock()
@@ -446,8 +499,9 @@ def _mean_epochs(found: list[dict | None]) -> str:
     return f"{statistics.mean(epochs):.1f}" if epochs else "—"
 
 
-def protocol_table(rows: dict[tuple, dict]) -> list[str]:
-    """The 720-step protocol without RevIN (``rows``: means over seeds), then the paper's and S4's."""
+def protocol_table(rows: dict[tuple, dict], naive: dict[int, dict]) -> list[str]:
+    """The 720-step protocol without RevIN (``rows``: means over seeds), then the paper's and S4's,
+    and the forecast with no model (``naive``: :func:`last_value`)."""
     lines = _table_head()
     for mech in PAIR + OTHERS:
         found = [rows.get(protocol_cell(mech, h)) for h in HORIZONS]
@@ -457,6 +511,9 @@ def protocol_table(rows: dict[tuple, dict]) -> list[str]:
         lines.append(f"| {name}, paper (d_model 512) | "
                      + " | ".join(f"{marks[h][0]:.3f} | {marks[h][1]:.3f}" for h in HORIZONS) + " | — |")
     lines.append("| S4, best published | " + " | ".join(f"{S4[h]:.3f} | —" for h in HORIZONS) + " | — |")
+    if naive:
+        lines.append("| the last input value repeated (no model) | " + " | ".join(
+            f"{naive[h]['mse']:.3f} | {naive[h]['mae']:.3f}" for h in HORIZONS) + " | — |")
     return lines
 
 
@@ -631,9 +688,11 @@ def _length_points(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict],
               for key in ("seconds_median", "peak_rss_mib"))]
 
 
-def plot_lengths(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict], path: Path) -> bool:
+def plot_lengths(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict], naive: dict | None,
+                 path: Path) -> bool:
     """Test MSE of the study's runs, and the time and peak memory of a training step of each cell
-    measured together (``cost``), against input length: False where there is nothing to draw."""
+    measured together (``cost``), against input length, with S4's and the no-model forecast's
+    (``naive``) test MSE: False where there is nothing to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -650,6 +709,8 @@ def plot_lengths(rows: dict[tuple, dict], cost: dict[tuple[str, int], dict], pat
         plt.close(fig)
         return False
     axes[0].axhline(S4[168], color="gray", linestyle=":", label="S4, best published")
+    if naive:
+        axes[0].axhline(naive["mse"], color="black", linestyle="--", label="the last input value repeated")
     titles = ("test MSE at horizon 168", f"a training step (s),\n{cost_setting(cost) or 'not measured yet'}",
               "peak memory of the process of the step (MiB)")
     for ax, title in zip(axes, titles, strict=True):
@@ -697,7 +758,8 @@ def report(runs: Path, docs: Path) -> None:
     seed0 = seed_zero(found)  # the RevIN runs and the input-length study have seed 0 alone
     noise = _noise(rows)
     cost = read_cost(runs)
-    pictured = plot_lengths(seed0, cost, docs / PICTURE)
+    naive = last_value(found)
+    pictured = plot_lengths(seed0, cost, naive.get(168), docs / PICTURE)
     config = " ".join([*CONFIG, "--threads", "T"])
     lines = [
         "# Forecasting ETTh1 with each mechanism, at Informer's protocol", "",
@@ -728,7 +790,8 @@ def report(runs: Path, docs: Path) -> None:
             f"**The grid is still training: {finished} of its {len(grid())} runs have finished** "
             "(`benchmarks/forecast_results.py --list` shows which); a cell without a run reads —.", ""]),
         *_paragraph(recovered_note(found)),
-        "## The protocol table", "", *protocol_table(rows), "",
+        "## The protocol table", "", *protocol_table(rows, naive), "",
+        *_paragraph(last_value_verdict(seed0, naive)),
         "Against the paper and the best published result:", "", *against_table(rows, seed0, noise), "",
         "## With RevIN", "",
         "`--revin`: each input window normalised by its own mean and deviation (with a learnt affine), "

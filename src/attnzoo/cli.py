@@ -301,6 +301,9 @@ def cmd_forecast(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[bold]test[/bold] MSE {metrics['test']['mse']:.4f}  MAE {metrics['test']['mae']:.4f} "
                       f"(scaled space; best val MSE {metrics['best_val_mse']:.4f}, "
                       f"{metrics['epochs_run']} epochs)")
+        naive = metrics["test_last_value"]
+        console.print(f"the last input value repeated, no model: MSE {naive['mse']:.4f}  "
+                      f"MAE {naive['mae']:.4f}")
         console.print(f"wrote {args.out}/metrics.json, checkpoint.pt, best.pt, forecast.png")
     elif rank0:
         where = (f"epoch {metrics['stopped_after_epoch']}" if "stopped_after_epoch" in metrics

@@ -20,14 +20,16 @@ spec.loader.exec_module(fr)
 
 
 def finish(runs: Path, run, mse: float, mae: float = 0.2, seconds: float = 600.0, epochs: int = 5,
-           peak: float = 1500.0, cpu: str = "CPU A", threads: list[int] | None = None) -> None:
+           peak: float = 1500.0, cpu: str = "CPU A", threads: list[int] | None = None,
+           data: Path | None = None) -> None:
     """Write the metrics.json a finished run leaves (without ``threads``, as the records from before
-    runs recorded them)."""
+    runs recorded them; without ``data``, none of the no-model forecast's scores)."""
     out = runs / run.name
     out.mkdir(parents=True)
     (out / "metrics.json").write_text(json.dumps({
         "test": {"mse": mse, "mae": mae}, "epochs_run": epochs, "seconds_per_epoch": seconds,
-        "peak_rss_mib": peak, "cpus": [cpu] if cpu else [], **({"threads": threads} if threads else {})}))
+        "peak_rss_mib": peak, "cpus": [cpu] if cpu else [], **({"threads": threads} if threads else {}),
+        **({"data": str(data), "target": "OT", "features": "S"} if data else {})}))
 
 
 def write_cost(runs: Path, cells: dict[tuple[str, int], tuple[float, float]], cpu: str = "CPU X",
@@ -148,6 +150,34 @@ def test_report_writes_tables_verdict_json_and_picture(tmp_path):
     keys = {"mechanism", "seq_len", "label_len", "pred_len", "features", "revin", "mse", "mae", "mse_spread",
             "seeds", "epochs", "seconds_per_epoch", "d_model", "n_heads", "d_ff", "command"}
     assert all(keys <= set(r) for r in rows)
+
+
+def test_the_no_model_forecast_is_scored_on_the_protocols_test_windows(tmp_path):
+    """The last input value repeated, at each horizon, on the windows the runs are tested on: a row
+    of the protocol table, a line in the picture, and a sentence that counts the trained cells
+    below it."""
+    import torch
+
+    from attnzoo.data import ETTH1, load_forecast_data
+
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    finish(runs, protocol("full", 24), 0.030, data=ETTH1)
+    finish(runs, protocol("prob_sparse", 24), 0.090)  # (a record without its data file's name)
+    naive = fr.last_value(fr.cells(runs, fr.grid()))
+    for h in fr.HORIZONS:  # each window's last input against each of its h targets
+        test = load_forecast_data(ETTH1, seq_len=fr.SEQ_LEN, label_len=fr.LABEL_LEN[h], pred_len=h).test
+        x = torch.stack([test[i][0][-1] for i in range(len(test))])  # (windows, 1)
+        y = torch.stack([test[i][4] for i in range(len(test))])  # (windows, h, 1)
+        assert naive[h]["mse"] == pytest.approx(((y - x[:, None]) ** 2).mean().item(), rel=1e-6)
+    assert 0.03 < naive[24]["mse"] < naive[48]["mse"] < naive[168]["mse"] < 0.1  # ETTh1's OT
+    fr.report(runs, docs)
+    md = (docs / "results.md").read_text()
+    assert (f"| the last input value repeated (no model) | {naive[24]['mse']:.3f} | {naive[24]['mae']:.3f} | "
+            in md)
+    assert (f"at horizon 24, 1 of 2 trained cells below its {naive[24]['mse']:.3f} (the best: 0.030, full, "
+            "720-step input); at horizon 48, 0 of 0 trained cells below") in md
+    assert "scores better than the paper's rows and S4's at every horizon" in md
+    assert fr.last_value({}) == {}
 
 
 def test_pace_of_one_run(tmp_path):
@@ -302,8 +332,8 @@ def test_length_points_give_each_panel_what_it_has(tmp_path):
     rows, cost = seed0_of(tmp_path), fr.read_cost(tmp_path)
     assert fr._length_points(rows, cost, "linear") == [[(96, 0.2)], [(336, 1.0)], []]
     assert fr._length_points(rows, cost, "full") == [[], [(1440, 4.0)], [(1440, 3000.0)]]
-    assert fr.plot_lengths(rows, cost, tmp_path / "p.png") and (tmp_path / "p.png").exists()
-    assert not fr.plot_lengths({}, {}, tmp_path / "none.png")
+    assert fr.plot_lengths(rows, cost, {"mse": 0.09}, tmp_path / "p.png") and (tmp_path / "p.png").exists()
+    assert not fr.plot_lengths({}, {}, None, tmp_path / "none.png")
 def test_a_cells_time_is_of_one_cpu(tmp_path):
     """Seeds trained on two machines: their times are not averaged into one; their MSE is."""
     finish(tmp_path, protocol("full", 24, 0), 0.06, seconds=600, cpu="CPU A")

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from attnzoo.cli import main
 from attnzoo.data import ETTH1
-from attnzoo.models import Informer, InformerConfig, TrainConfig, time_steps, train
+from attnzoo.data.timeseries import Windows
+from attnzoo.models import Informer, InformerConfig, LastValue, TrainConfig, evaluate, time_steps, train
 
 TINY = dict(d_model=16, n_heads=2, e_layers=2, d_layers=1, d_ff=32, seq_len=24, label_len=12,
             pred_len=6)
@@ -74,6 +76,14 @@ def test_revin_forecasts_follow_each_window_level_and_scale(revin):
         torch.testing.assert_close(moved, out * a[1] + b[1], rtol=1e-4, atol=1e-4)
     else:
         assert (moved - (out * a[1] + b[1])).abs().max() > 0.1
+
+
+def test_last_value_repeats_each_windows_last_input_of_each_target():
+    values = torch.arange(40.0).reshape(20, 2)  # channel 1 at step t: 2t + 1
+    windows = Windows(values, torch.zeros(20, 4), [1], seq_len=5, label_len=2, pred_len=3)
+    got = evaluate(LastValue([1], 3), DataLoader(windows, batch_size=4), torch.device("cpu"))
+    # window i: the last input 2(i + 4) + 1, the targets 2(i + 5) + 1 ... 2(i + 7) + 1: errors 2, 4, 6
+    assert got == {"mse": (4 + 16 + 36) / 3, "mae": 4.0}
 
 
 def test_revin_needs_a_channel_for_each_output():
@@ -181,6 +191,7 @@ def test_cli_smoke_on_shipped_etth1(tmp_path, capsys):
     assert metrics["test"]["mse"] > 0 and metrics["model"]["enc_attn"] == "prob_sparse"
     out = capsys.readouterr().out  # not a terminal: one plain line an epoch
     assert "epoch 1/1  train loss " in out and " val mse " in out and "test MSE" in out
+    assert f"the last input value repeated, no model: MSE {metrics['test_last_value']['mse']:.4f}" in out
     assert metrics["seconds_per_epoch"] > 0 and metrics["peak_rss_mib"] > 0
     assert Path(metrics["data"]).resolve() == ETTH1.resolve()
 

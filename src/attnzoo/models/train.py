@@ -176,6 +176,20 @@ def time_steps(cfg: TrainConfig, steps: int = 5) -> dict:
             "peak_rss_mib": peak_rss_mib(), "cpu": cpu_name(), "threads": torch.get_num_threads()}
 
 
+class LastValue(nn.Module):
+    """The forecast with no model (persistence): each window's last input value of each target,
+    repeated over the horizon. It takes the forecaster's inputs: x_enc (B, L, C_in), ... ->
+    (B, pred_len, C_out); :func:`evaluate` scores it as it scores a model, the mark a trained
+    forecaster must pass to have learnt anything (on ETTh1's OT it is hard to pass)."""
+
+    def __init__(self, target_cols: list[int], pred_len: int):
+        super().__init__()
+        self.target_cols, self.pred_len = list(target_cols), pred_len
+
+    def forward(self, x_enc, mark_enc, x_dec, mark_dec):
+        return x_enc[:, -1:, self.target_cols].expand(-1, self.pred_len, -1)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device) -> dict:
     """MSE and MAE over every window of a loader, in the scaled space."""
@@ -390,7 +404,10 @@ def train(cfg: TrainConfig, callbacks: Callbacks | None = None) -> dict:
         if stopped or (cfg.stop_after_epochs is not None and epoch + 1 >= cfg.stop_after_epochs):
             return {"stopped_after_epoch": epoch + 1, "history": state["history"]}
     _bare(model).load_state_dict(torch.load(best_path, map_location=device, weights_only=True))
-    metrics = {"test": evaluate(model, test_loader, device), "best_val_mse": state["best_val"],
+    metrics = {"test": evaluate(model, test_loader, device),
+               "test_last_value": evaluate(LastValue(data.test.target_cols, model_cfg.pred_len), test_loader,
+                                           device),
+               "best_val_mse": state["best_val"],
                "epochs_run": state["epoch"], "history": state["history"],
                "model": dataclasses.asdict(model_cfg), "data": _shown(cfg.data), "target": cfg.target,
                "features": cfg.features, "world_size": world, "seed": cfg.seed,
