@@ -345,8 +345,9 @@ def last_value_verdict(seed0: dict[tuple, dict], naive: dict[int, dict]) -> str:
                "MSE rewards staying near its last value" if len(beaten) == len(HORIZONS) else
                f"better than every published row of the table at {_count(len(beaten), 'horizon')} of "
                f"{len(HORIZONS)}")
-    return ("A forecast with no model at all, each window's last input value repeated "
-            "(`attnzoo.models.LastValue`, scored on the same test windows; the metrics.json of a run "
+    return ("A forecast with no model at all, each window's last input value repeated (\"Repeat\" in "
+            "Zeng et al., AAAI 2023; `attnzoo.models.LastValue`, scored on the same test windows; the "
+            "metrics.json of a run "
             f"has it as `test_last_value`), scores {against}. Read every number on this page against "
             "it. On seed 0, in any table: " + "; ".join(parts) + ".")
 

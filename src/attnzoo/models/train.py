@@ -177,7 +177,8 @@ def time_steps(cfg: TrainConfig, steps: int = 5) -> dict:
 
 
 class LastValue(nn.Module):
-    """The forecast with no model (persistence): each window's last input value of each target,
+    """The forecast with no model (persistence; "Repeat" in Zeng et al., Are Transformers Effective
+    for Time Series Forecasting?, AAAI 2023): each window's last input value of each target,
     repeated over the horizon. It takes the forecaster's inputs: x_enc (B, L, C_in), ... ->
     (B, pred_len, C_out); :func:`evaluate` scores it as it scores a model, the mark a trained
     forecaster must pass to have learnt anything (on ETTh1's OT it is hard to pass)."""
