@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from attnzoo.cli import main
-from attnzoo.data import ETTH1
+from attnzoo.data import ETTH1, load_forecast_data
 from attnzoo.data.timeseries import Windows
 from attnzoo.models import Informer, InformerConfig, LastValue, TrainConfig, evaluate, time_steps, train
 
@@ -84,6 +84,8 @@ def test_last_value_repeats_each_windows_last_input_of_each_target():
     got = evaluate(LastValue([1], 3), DataLoader(windows, batch_size=4), torch.device("cpu"))
     # window i: the last input 2(i + 4) + 1, the targets 2(i + 5) + 1 ... 2(i + 7) + 1: errors 2, 4, 6
     assert got == {"mse": (4 + 16 + 36) / 3, "mae": 4.0}
+    with pytest.raises(ValueError, match="the forecast has shape"):  # two steps for three targets
+        evaluate(LastValue([1], 2), DataLoader(windows, batch_size=4), torch.device("cpu"))
 
 
 def test_revin_needs_a_channel_for_each_output():
@@ -192,6 +194,10 @@ def test_cli_smoke_on_shipped_etth1(tmp_path, capsys):
     out = capsys.readouterr().out  # not a terminal: one plain line an epoch
     assert "epoch 1/1  train loss " in out and " val mse " in out and "test MSE" in out
     assert f"the last input value repeated, no model: MSE {metrics['test_last_value']['mse']:.4f}" in out
+    test = load_forecast_data(ETTH1, seq_len=48, label_len=24, pred_len=12).test  # the same, by hand
+    last = torch.stack([test[i][0][-1] for i in range(len(test))])  # (windows, 1)
+    errors = torch.stack([test[i][4] for i in range(len(test))]) - last[:, None]  # (windows, 12, 1)
+    assert metrics["test_last_value"]["mse"] == pytest.approx((errors**2).double().mean().item(), rel=1e-5)
     assert metrics["seconds_per_epoch"] > 0 and metrics["peak_rss_mib"] > 0
     assert Path(metrics["data"]).resolve() == ETTH1.resolve()
 

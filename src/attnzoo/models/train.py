@@ -198,6 +198,8 @@ def evaluate(model: nn.Module, loader, device) -> dict:
     se = ae = count = 0.0
     for batch in loader:
         pred, y = _batches(model, batch, device)
+        if pred.shape != y.shape:  # (a broadcast would score a wrong shape without a word)
+            raise ValueError(f"the forecast has shape {tuple(pred.shape)}, its targets {tuple(y.shape)}")
         se += ((pred - y) ** 2).sum().item()
         ae += (pred - y).abs().sum().item()
         count += y.numel()
