@@ -336,15 +336,14 @@ def last_value_verdict(seed0: dict[tuple, dict], naive: dict[int, dict]) -> str:
         return ""
     parts = []
     for h in HORIZONS:
-        at_h = [r for r in seed0.values() if r["pred_len"] == h]
+        at_h = _at_horizon(seed0, h)
         if not at_h:
             parts.append(f"at horizon {h}, no trained cell yet")
             continue
         beat = [r for r in at_h if r["mse"] < naive[h]["mse"]]
         best = min(at_h, key=lambda r: r["mse"])
         parts.append(f"at horizon {h}, {len(beat)} of {_count(len(at_h), 'trained cell')} below its "
-                     f"{naive[h]['mse']:.3f} at all (the best: {best['mse']:.3f}, {best['mechanism']}"
-                     f"{' with RevIN' if best['revin'] else ''}, {best['seq_len']}-step input)")
+                     f"{naive[h]['mse']:.3f} at all (the best: {best['mse']:.3f}, {_described(best)})")
     published = {h: min(S4[h], *(marks[h][0] for marks in PAPER.values())) for h in HORIZONS}
     beaten = len([h for h in HORIZONS if naive[h]["mse"] < published[h]])
     against = ("better than the paper's rows and S4's at every horizon" if beaten == len(HORIZONS) else
@@ -560,14 +559,24 @@ def against_table(rows: dict[tuple, dict], seed0: dict[tuple, dict], noise: floa
     return lines
 
 
+def _at_horizon(seed0: dict[tuple, dict], h: int) -> list[dict]:
+    """The cells of ``seed0`` (:func:`seed_zero`) at horizon h, of any table: mechanism, input
+    length, RevIN."""
+    return [r for r in seed0.values() if r["pred_len"] == h]
+
+
+def _described(row: dict) -> str:
+    """A cell of any table in words: its mechanism, RevIN where it has it, and its input length."""
+    return f"{row['mechanism']}{' with RevIN' if row['revin'] else ''}, {row['seq_len']}-step input"
+
+
 def _best_against_s4(seed0: dict[tuple, dict], h: int, noise: float) -> str:
-    at_h = [r for r in seed0.values() if r["pred_len"] == h]  # any table: mechanism, input length, RevIN
+    at_h = _at_horizon(seed0, h)
     if not at_h:
         return "—"
     b = min(at_h, key=lambda r: r["mse"])
     level = ", level with it within the largest gap between seeds" if abs(b["mse"] - S4[h]) <= noise else ""
-    return (f"{b['mse']:.3f} ({b['mechanism']}{' with RevIN' if b['revin'] else ''}, {b['seq_len']}-step "
-            f"input): {b['mse'] / S4[h]:.2f}× S4's{level}")
+    return f"{b['mse']:.3f} ({_described(b)}): {b['mse'] / S4[h]:.2f}× S4's{level}"
 
 
 def _noise(rows: dict[tuple, dict]) -> float:
