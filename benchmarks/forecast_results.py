@@ -342,8 +342,9 @@ def last_value_verdict(seed0: dict[tuple, dict], naive: dict[int, dict]) -> str:
             continue
         beat = [r for r in at_h if r["mse"] < naive[h]["mse"]]
         best = min(at_h, key=lambda r: r["mse"])
+        mark, best_mse = _told_apart(naive[h]["mse"], best["mse"])
         parts.append(f"at horizon {h}, {len(beat)} of {_count(len(at_h), 'trained cell')} below its "
-                     f"{naive[h]['mse']:.3f} at all (the best: {best['mse']:.3f}, {_described(best)})")
+                     f"{mark} at all (the best: {best_mse}, {_described(best)})")
     published = {h: min(S4[h], *(marks[h][0] for marks in PAPER.values())) for h in HORIZONS}
     beaten = len([h for h in HORIZONS if naive[h]["mse"] < published[h]])
     against = ("better than the paper's rows and S4's at every horizon" if beaten == len(HORIZONS) else
@@ -353,6 +354,12 @@ def last_value_verdict(seed0: dict[tuple, dict], naive: dict[int, dict]) -> str:
             "Zeng et al., AAAI 2023; `attnzoo.models.LastValue`, scored on the same test windows; runs "
             f"trained since it was added record it as `test_last_value`), scores {against}. Read every "
             "number on this page against it. On seed 0, in any table: " + "; ".join(parts) + ".")
+
+
+def _told_apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` to 3 decimals, or to as many more (up to 6) as tell them apart."""
+    digits = next((d for d in range(3, 7) if f"{a:.{d}f}" != f"{b:.{d}f}"), 6)
+    return f"{a:.{digits}f}", f"{b:.{digits}f}"
 
 
 _ONE_SWAP_AT_A_TIME = threading.Lock()

@@ -180,6 +180,13 @@ def test_the_no_model_forecast_is_scored_on_the_protocols_test_windows(tmp_path)
     assert fr.last_value({}) == {}
 
 
+def test_a_mark_and_a_score_that_round_alike_are_told_apart():
+    """0.0866 under a mark of 0.0872 must not read "0.087 below 0.087"."""
+    assert fr._told_apart(0.0872, 0.0866) == ("0.0872", "0.0866")
+    assert fr._told_apart(0.050, 0.0519) == ("0.050", "0.052")
+    assert fr._told_apart(0.1, 0.1) == ("0.100000", "0.100000")
+
+
 def test_pace_of_one_run(tmp_path):
     finish(tmp_path, protocol("lsh", 48), 0.1, seconds=300, epochs=4)
     assert fr.grid_pace(fr.cells(tmp_path, fr.grid())) == (
