@@ -642,7 +642,8 @@ def length_summary(seed0: dict[tuple, dict], noise: float, cost: dict[tuple[str,
 
 def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
     """What an epoch and a run of the protocol's 720-step runs took, measured (``found``: :func:`cells`),
-    apart for each CPU and number of threads (one thread: the grid's two runs side by side)."""
+    apart for each CPU and number of threads (one thread: the grid's two runs side by side; a run
+    resumed on another number of threads apart from both)."""
     done = [m for cell in found.values() for run, m in cell
             if run.seq_len == SEQ_LEN and m.get("seconds_per_epoch")]
     if not done:
@@ -658,7 +659,9 @@ def grid_pace(found: dict[tuple, list[tuple[Run, dict]]]) -> str:
 
     def pace(cpu: str, threads: str, ms: list[dict]) -> str:
         runs = "" if len(by_setting) == 1 else f" ({_count(len(ms), 'run')})"
-        how = "two runs side by side" if threads == "1" else f"one run at a time on {threads} threads"
+        how = ("two runs side by side" if threads == "1" else
+               f"resumed on another number of threads ({threads.replace('/', ' and ')})" if "/" in threads
+               else f"one run at a time on {threads} threads")
         return (f"on {cpu}, {how}{runs}: {span([m['seconds_per_epoch'] / 60 for m in ms])} "
                 f"minutes an epoch, {span([m['seconds_per_epoch'] * m['epochs_run'] / 60 for m in ms])} "
                 "minutes a run")

@@ -199,6 +199,9 @@ def test_pace_of_one_run(tmp_path):
         "10 minutes an epoch, 60 minutes a run; on CPU A, one run at a time on 2 threads (1 run): 2 minutes "
         "an epoch, 10 minutes a run; on CPU A, two runs side by side (1 run): 5 minutes an epoch, 20 "
         "minutes a run. ")
+    finish(tmp_path, protocol("linear", 48), 0.1, seconds=240, epochs=5, threads=[1, 2])  # resumed on 2
+    assert "on CPU A, resumed on another number of threads (1 and 2) (1 run): 4 minutes an epoch, 20 " \
+        "minutes a run" in fr.grid_pace(fr.cells(tmp_path, fr.grid()))
 
 
 def test_report_without_runs_says_so(tmp_path):
